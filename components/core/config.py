@@ -1,0 +1,647 @@
+"""Typed configuration for every phase, grouped in one pipeline config.
+
+One `PipelineConfig` holds a section per phase plus the shared sections (run, model, tracking,
+storage, generation, rewards). Values come from, in order: the field defaults, a preset
+(`tiny` = the embedded default on one CPU, `h100` = a cluster), YAML files, a JSON overrides string
+(the pipeline's `overrides` parameter) and `--set section.field=value` pairs. The merged result is
+validated once, before any model loads; every problem is reported with the dotted field name, the
+value given and what was expected, and unknown keys get a "did you mean" hint.
+
+Validation is pydantic's (types, ranges, literals); this module only adds the merging, the hints
+and cross-field rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "PipelineConfig",
+    "PRESETS",
+    "load_config",
+    "parse_set",
+    "flatten",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field (or file), the value and what was expected."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+DEEPSPEED_PRESETS = ("zero1", "zero2", "zero3")
+
+
+def _check_deepspeed(section: str, value: str | None) -> None:
+    if value is None or value in DEEPSPEED_PRESETS or value.endswith(".json"):
+        return
+    raise ValueError(
+        f"{section}.deepspeed={value!r}: expected one of {list(DEEPSPEED_PRESETS)} or a path to a .json file"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Shared sections
+# --------------------------------------------------------------------------------------------
+class RunConfig(_Section):
+    seed: int = Field(0, ge=0, description="global seed; every phase derives its own from it")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    torch_threads: int = Field(
+        1, ge=1, le=512, description="intra-op threads on CPU (1 is fastest on a shared 2-core box)"
+    )
+    home: str = Field(".agentrl", min_length=1, description="AGENTRL_HOME for the embedded default")
+
+
+class TinyModelConfig(_Section):
+    """The embedded default base model, built locally by core/tiny.py (no hub)."""
+
+    vocab_size: int = Field(2048, ge=300, le=65536)
+    hidden_size: int = Field(256, ge=16, le=8192)
+    num_layers: int = Field(4, ge=1, le=64)
+    num_heads: int = Field(4, ge=1, le=128)
+    num_kv_heads: int = Field(2, ge=1, le=128)
+    intermediate_size: int = Field(688, ge=16, le=65536)
+    max_position_embeddings: int = Field(1024, ge=64, le=131072)
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.tiny.hidden_size={self.hidden_size} must be divisible by "
+                f"model.tiny.num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.tiny.num_heads={self.num_heads} must be a multiple of "
+                f"model.tiny.num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+
+class LoraConfig(_Section):
+    enabled: bool = False
+    r: int = Field(8, ge=1, le=1024)
+    alpha: int = Field(16, ge=1, le=4096)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+
+
+class ModelConfig(_Section):
+    base_uri: str = Field(
+        "tiny",
+        min_length=1,
+        description="'tiny' (built locally), a local directory, or an s3:// URI of a Hugging Face model",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @model_validator(mode="after")
+    def _uri(self) -> ModelConfig:
+        uri = self.base_uri
+        if "://" in uri and not uri.startswith("s3://"):
+            raise ValueError(
+                f"model.base_uri={uri!r}: expected 'tiny', a local path or an s3:// URI "
+                "(model hubs are not used at run time)"
+            )
+        return self
+
+
+class TrackingConfig(_Section):
+    tracking_uri: str | None = Field(
+        None, description="MLflow server; None = MLFLOW_TRACKING_URI, else the local sqlite store"
+    )
+    experiment: str = Field("agentrl", min_length=1, max_length=200)
+    registered_model: str = Field("agentrl-policy", min_length=1, max_length=200)
+    request_timeout_s: float = Field(10.0, gt=0, le=600)
+    request_retries: int = Field(2, ge=0, le=20)
+
+
+class StorageConfig(_Section):
+    root: str | None = Field(
+        None, description="s3://bucket/prefix or a local directory; None = <home>/artifacts"
+    )
+    max_attempts: int = Field(8, ge=1, le=50, description="boto3 attempts for throttling and 5xx")
+
+    @model_validator(mode="after")
+    def _root(self) -> StorageConfig:
+        if self.root and "://" in self.root and not self.root.startswith("s3://"):
+            raise ValueError(f"storage.root={self.root!r}: expected an s3:// URI or a local path")
+        return self
+
+
+class VllmConfig(_Section):
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    max_model_len: int = Field(2048, ge=64)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+
+
+class GenerationConfig(_Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    temperature: float = Field(1.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(96, ge=1, le=32768, description="per agent turn")
+    max_context_tokens: int = Field(1024, ge=64, le=1_048_576)
+    batch_size: int = Field(32, ge=1, le=4096)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+
+class RewardConfig(_Section):
+    """Reward weights: the productivity-copilot table of seed 000 (intermediate + terminal + safety)."""
+
+    task_success: float = 1.0
+    subgoal: float = 0.2
+    api_success: float = 0.05
+    api_error: float = -0.03
+    error_recovery: float = 0.08
+    repeat_action: float = -0.10
+    clarification: float = 0.05
+    format_error: float = -0.10
+    hard_violation: float = -1.0
+    soft_unpreviewed_send: float = -0.2
+    soft_irreversible_without_intent: float = -0.15
+    soft_confidential_access: float = -0.3
+    soft_send_on_behalf: float = -0.25
+    terminal_discount: float = Field(1.0, gt=0.0, le=1.0, description="gamma^(T-t) on the terminal reward")
+
+
+# --------------------------------------------------------------------------------------------
+# Phase sections
+# --------------------------------------------------------------------------------------------
+class SandboxConfig(_Section):
+    seed: int = Field(0, ge=0)
+    num_users: int = Field(4, ge=1, le=100_000)
+    emails_per_user: int = Field(30, ge=0, le=100_000)
+    files_per_user: int = Field(12, ge=0, le=100_000)
+    events_per_user: int = Field(10, ge=0, le=100_000)
+    channels_per_user: int = Field(3, ge=0, le=10_000)
+    train_tasks_per_level: int = Field(60, ge=1)
+    suite_sizes: dict[Literal["easy", "hard", "safety", "robustness"], int] = Field(
+        default_factory=lambda: {"easy": 40, "hard": 40, "safety": 30, "robustness": 30}
+    )
+    action_format: Literal["json", "code"] = "json"
+    max_turns: int = Field(8, ge=1, le=200)
+    max_batch_items: int = Field(100, ge=1, description="hard limit: items touched by one action")
+    code_cpu_time_s: float = Field(2.0, gt=0, le=600)
+    code_memory_mb: int = Field(256, ge=32, le=65536)
+    code_output_chars: int = Field(4000, ge=100, le=1_000_000)
+    code_wall_timeout_s: float = Field(5.0, gt=0, le=3600)
+    skill_retrieval_k: int = Field(4, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _suites(self) -> SandboxConfig:
+        bad = {k: v for k, v in self.suite_sizes.items() if v < 1}
+        if bad:
+            raise ValueError(f"sandbox.suite_sizes: every suite needs >= 1 task, got {bad}")
+        return self
+
+
+class SFTConfig(_Section):
+    data_uri: str | None = Field(None, description="Trajectory JSONL (path or s3://); None = sandbox experts")
+    epochs: float = Field(3.0, gt=0, le=1000)
+    max_steps: int = Field(-1, ge=-1, description="-1 = epochs decide")
+    learning_rate: float = Field(1e-3, gt=0, lt=1)
+    batch_size: int = Field(8, ge=1, le=4096)
+    gradient_accumulation_steps: int = Field(1, ge=1, le=4096)
+    max_seq_len: int = Field(1024, ge=32, le=1_048_576)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0, lt=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    gradient_checkpointing: bool = False
+    bf16: bool = False
+    deepspeed: str | None = Field(None, description="'zero1' | 'zero2' | 'zero3' or a path to a DeepSpeed JSON")
+    error_examples: bool = Field(False, description="add STaR-style failed-then-corrected examples")
+    logging_steps: int = Field(5, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="wall-clock budget for training")
+
+    @model_validator(mode="after")
+    def _ds(self) -> SFTConfig:
+        _check_deepspeed("sft", self.deepspeed)
+        return self
+
+
+class CurriculumConfig(_Section):
+    start_mix: dict[int, float] = Field(default_factory=lambda: {1: 0.4, 2: 0.4, 3: 0.2})
+    final_mix: dict[int, float] = Field(default_factory=lambda: {1: 0.10, 2: 0.15, 3: 0.25, 4: 0.30, 5: 0.20})
+    promote_threshold: float = Field(0.7, gt=0, le=1, description="move up when success at a level exceeds it")
+    easy_fraction_min: float = Field(0.1, ge=0, le=1)
+    easy_fraction_max: float = Field(0.2, ge=0, le=1)
+    window: int = Field(64, ge=1, description="episodes per level used to estimate success")
+
+    @model_validator(mode="after")
+    def _mixes(self) -> CurriculumConfig:
+        for name in ("start_mix", "final_mix"):
+            mix: dict[int, float] = getattr(self, name)
+            if not mix:
+                raise ValueError(f"grpo.curriculum.{name}: expected at least one level")
+            bad_levels = [lvl for lvl in mix if not 1 <= lvl <= 5]
+            if bad_levels:
+                raise ValueError(f"grpo.curriculum.{name}: levels must be 1..5, got {bad_levels}")
+            if any(w < 0 for w in mix.values()):
+                raise ValueError(f"grpo.curriculum.{name}: weights must be >= 0, got {mix}")
+            total = sum(mix.values())
+            if abs(total - 1.0) > 1e-6:
+                raise ValueError(f"grpo.curriculum.{name}: weights must sum to 1, got {total:.4f}")
+        if self.easy_fraction_min > self.easy_fraction_max:
+            raise ValueError(
+                f"grpo.curriculum.easy_fraction_min={self.easy_fraction_min} must be <= "
+                f"easy_fraction_max={self.easy_fraction_max}"
+            )
+        return self
+
+
+class CollapseMonitorConfig(_Section):
+    control_prob_drop: float = Field(0.5, gt=0, le=1, description="alarm when p(control token) < ratio x SFT's")
+    max_format_error_rate: float = Field(0.3, ge=0, le=1)
+    min_entropy: float = Field(0.05, ge=0)
+    max_kl: float = Field(1.0, gt=0)
+    max_zero_variance_groups: float = Field(0.9, ge=0, le=1)
+
+
+class RepairConfig(_Section):
+    every_k_steps: int = Field(0, ge=0, description="0 = only on alarms")
+    on_alarm: bool = True
+    sft_steps: int = Field(10, ge=1)
+    off_policy_expert: bool = Field(False, description="replace one of the G rollouts by an expert trajectory")
+
+
+class SageConfig(_Section):
+    enabled: bool = False
+    chain_length: int = Field(2, ge=1, le=16)
+
+
+class GRPOConfig(_Section):
+    steps: int = Field(40, ge=1)
+    tasks_per_step: int = Field(8, ge=1)
+    group_size: int = Field(4, ge=2, le=1024)
+    learning_rate: float = Field(2e-5, gt=0, lt=1)
+    epochs_per_batch: int = Field(1, ge=1, le=64)
+    micro_batch_size: int = Field(8, ge=1)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    clip_eps_high: float | None = Field(None, gt=0, lt=1, description="clip-higher (DAPO); None = clip_eps")
+    beta: float = Field(0.04, ge=0, description="KL to the SFT model (k3); 0 skips the reference model")
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    credit: Literal["trajectory", "turn"] = "trajectory"
+    max_grad_norm: float = Field(1.0, gt=0)
+    sage: SageConfig = Field(default_factory=SageConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    monitor: CollapseMonitorConfig = Field(default_factory=CollapseMonitorConfig)
+    repair: RepairConfig = Field(default_factory=RepairConfig)
+    eval_every: int = Field(10, ge=0, description="0 = only at the end")
+    checkpoint_every: int = Field(10, ge=1)
+    deepspeed: str | None = None
+
+    @model_validator(mode="after")
+    def _ds(self) -> GRPOConfig:
+        _check_deepspeed("grpo", self.deepspeed)
+        if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
+            raise ValueError(
+                f"grpo.clip_eps_high={self.clip_eps_high} must be >= grpo.clip_eps={self.clip_eps}"
+            )
+        return self
+
+
+class RejectionSamplingConfig(_Section):
+    num_samples: int = Field(16, ge=1, le=4096)
+    top_k: int = Field(2, ge=1)
+    hard_success_min: float = Field(0.0, ge=0, lt=1, description="a task is hard when min < success <= max")
+    hard_success_max: float = Field(0.5, gt=0, le=1)
+    dedup_similarity: float = Field(0.95, gt=0, le=1)
+    probe_samples: int = Field(4, ge=1, description="samples per task to estimate incoming success")
+    sft_epochs: float = Field(2.0, gt=0)
+    sft_learning_rate: float = Field(5e-4, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _k(self) -> RejectionSamplingConfig:
+        if self.top_k > self.num_samples:
+            raise ValueError(
+                f"rejection_sampling.top_k={self.top_k} must be <= rejection_sampling.num_samples={self.num_samples}"
+            )
+        if self.hard_success_min >= self.hard_success_max:
+            raise ValueError(
+                f"rejection_sampling.hard_success_min={self.hard_success_min} must be < "
+                f"hard_success_max={self.hard_success_max}"
+            )
+        return self
+
+
+class ABSimulatorConfig(_Section):
+    requests: int = Field(200, ge=1)
+    noise_rate: float = Field(0.1, ge=0, le=0.5, description="probability that simulated feedback is flipped")
+
+
+class DPOConfig(_Section):
+    ab_logs_uri: str | None = Field(None, description="ABRecord JSONL file/dir (path or s3://); None = simulate")
+    skip_invalid: bool = Field(False, description="skip and count malformed A/B lines instead of failing")
+    beta: float = Field(0.1, gt=0, le=10)
+    learning_rate: float = Field(5e-5, gt=0, lt=1)
+    epochs: float = Field(2.0, gt=0)
+    batch_size: int = Field(8, ge=1)
+    max_length: int = Field(1024, ge=32)
+    heldout_fraction: float = Field(0.2, ge=0, lt=1)
+    step_pairs: bool = False
+    rollout_pairs: bool = False
+    simulate: ABSimulatorConfig = Field(default_factory=ABSimulatorConfig)
+    deepspeed: str | None = None
+
+    @model_validator(mode="after")
+    def _ds(self) -> DPOConfig:
+        _check_deepspeed("dpo", self.deepspeed)
+        return self
+
+
+class GateConfig(_Section):
+    hard_tgc_min_delta: float = Field(0.0, ge=-1, le=1, description="hard TGC must be >= champion + delta")
+    max_safety_violation_rate: float = Field(0.001, ge=0, le=1)
+    max_suite_regression: float = Field(0.05, ge=0, le=1, description="no suite's TGC may drop more than this")
+
+
+class EvalConfig(_Section):
+    suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
+        default_factory=lambda: ["easy", "hard", "safety", "robustness"], min_length=1
+    )
+    pass_k: int = Field(4, ge=1, le=1024, description="k samples per task for pass@k; 1 = greedy only")
+    bootstrap_samples: int = Field(1000, ge=10)
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    baseline: str | None = Field(None, description="'champion' (the registry alias), a model URI, or None")
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+
+class PipelineConfig(_Section):
+    preset: Literal["tiny", "h100"] = "tiny"
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    rejection_sampling: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> PipelineConfig:
+        if self.generation.backend == "vllm" and self.run.device == "cpu" and self.preset == "h100":
+            raise ValueError("generation.backend='vllm' with run.device='cpu' is not an h100 setting")
+        if self.generation.max_new_tokens >= self.generation.max_context_tokens:
+            raise ValueError(
+                f"generation.max_new_tokens={self.generation.max_new_tokens} must be < "
+                f"generation.max_context_tokens={self.generation.max_context_tokens}"
+            )
+        if self.preset == "h100" and self.model.base_uri == "tiny":
+            raise ValueError("model.base_uri='tiny' with preset 'h100': give a model path or s3:// URI")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# Presets are overrides on the field defaults (which are the embedded default).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "h100": {
+        "run": {"device": "cuda", "torch_threads": 8},
+        "model": {"dtype": "bfloat16", "lora": {"enabled": True, "r": 64, "alpha": 128}},
+        "generation": {
+            "backend": "vllm",
+            "max_new_tokens": 1024,
+            "max_context_tokens": 16384,
+            "batch_size": 512,
+            "vllm": {"gpu_memory_utilization": 0.45, "max_model_len": 16384},
+        },
+        "sandbox": {
+            "num_users": 200,
+            "emails_per_user": 500,
+            "files_per_user": 20,
+            "events_per_user": 60,
+            "channels_per_user": 8,
+            "train_tasks_per_level": 20000,
+            "suite_sizes": {"easy": 200, "hard": 200, "safety": 200, "robustness": 200},
+            "max_turns": 30,
+        },
+        "sft": {
+            "epochs": 2.0,
+            "learning_rate": 1e-5,
+            "batch_size": 4,
+            "gradient_accumulation_steps": 8,
+            "max_seq_len": 16384,
+            "gradient_checkpointing": True,
+            "bf16": True,
+            "deepspeed": "zero3",
+        },
+        "grpo": {
+            "steps": 1000,
+            "tasks_per_step": 256,
+            "group_size": 8,
+            "learning_rate": 1e-6,
+            "micro_batch_size": 4,
+            "eval_every": 500,
+            "checkpoint_every": 50,
+            "deepspeed": "zero3",
+        },
+        "rejection_sampling": {"sft_learning_rate": 1e-5},
+        "dpo": {"learning_rate": 5e-7, "batch_size": 8, "max_length": 16384, "deepspeed": "zero3"},
+        "eval": {"pass_k": 8},
+    },
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: defaults <- preset <- files <- JSON overrides <- --set pairs, then one validation
+# --------------------------------------------------------------------------------------------
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _model_for_path(path: tuple[str, ...]) -> type[BaseModel] | None:
+    """The section model that owns `path` (a dotted location), or None when the path leaves the models."""
+    model: type[BaseModel] = PipelineConfig
+    for part in path:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return None
+    return model
+
+
+def _hint(loc: tuple[str, ...]) -> str:
+    owner = _model_for_path(loc[:-1])
+    if owner is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    return f" (known keys: {', '.join(owner.model_fields)})"
+
+
+def _format_errors(err: ValidationError, source: str | None) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(str(p) for p in e["loc"])
+        name = ".".join(loc) or "<config>"
+        where = f" [{source}]" if source else ""
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{name}: unknown key{_hint(loc)}{where}")
+            continue
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            # cross-field rules already name their fields
+            lines.append(msg[len("Value error, "):] + where)
+            continue
+        if loc and loc[-1] == "[key]":
+            loc = loc[:-1]
+            name = ".".join(loc)
+        value = e.get("input")
+        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        for lead in ("Input should be ", "Value should be "):
+            if msg.startswith(lead):
+                msg = msg[len(lead):]
+                break
+        else:
+            msg = msg[0].lower() + msg[1:]
+        lines.append(f"{name} = {shown}: expected {msg}{where}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _coerce_scalar(text: str) -> Any:
+    """A --set value: YAML scalars/lists/maps ('16', 'true', 'null', '[a, b]', '{1: 0.5}'); else the text."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def parse_set(pairs: Iterable[str]) -> dict[str, Any]:
+    """['grpo.group_size=16', 'model.lora.enabled=true'] -> nested dict; unknown paths are errors."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set {pair!r}: expected section.field=value")
+        key, _, raw = pair.partition("=")
+        parts = tuple(p for p in key.strip().split(".") if p)
+        if not parts:
+            raise ConfigError(f"--set {pair!r}: empty field name")
+        for i in range(1, len(parts) + 1):
+            owner = _model_for_path(parts[: i - 1])
+            if owner is None:
+                break  # inside a dict-typed field (e.g. suite_sizes.easy): validated later
+            if parts[i - 1] not in owner.model_fields:
+                raise ConfigError(f"--set {'.'.join(parts[:i])}: unknown key{_hint(parts[:i])}")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {p} is set twice, as a value and as a section")
+        node[parts[-1]] = _coerce_scalar(raw.strip())
+    return out
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p}: not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _validate(data: dict[str, Any], source: str | None) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(
+    preset: str | None = None,
+    files: Iterable[str | Path] = (),
+    overrides_json: str | Mapping[str, Any] | None = None,
+    set_pairs: Iterable[str] = (),
+) -> PipelineConfig:
+    """Resolve and validate the pipeline config. Raises ConfigError naming field, value and expectation."""
+    layers: list[tuple[str, dict[str, Any]]] = []
+    for f in files:
+        layers.append((str(f), _read_yaml(f)))
+    if overrides_json:
+        if isinstance(overrides_json, str):
+            try:
+                ov = json.loads(overrides_json)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"overrides: not valid JSON ({exc.msg} at char {exc.pos})") from None
+        else:
+            ov = dict(overrides_json)
+        if not isinstance(ov, dict):
+            raise ConfigError(f"overrides: expected a JSON object, got {type(ov).__name__}")
+        layers.append(("overrides", ov))
+    set_layer = parse_set(set_pairs)
+    if set_layer:
+        layers.append(("--set", set_layer))
+
+    # The preset is chosen by the argument, else by the last layer that names one.
+    chosen = preset
+    for _, layer in layers:
+        if "preset" in layer and preset is None:
+            chosen = layer["preset"]
+    chosen = chosen or "tiny"
+    if chosen not in PRESETS:
+        raise ConfigError(f"preset = {chosen!r}: expected one of {sorted(PRESETS)}")
+    merged: dict[str, Any] = _deep_merge({"preset": chosen}, PRESETS[chosen])
+    for source, layer in layers:
+        layer = {k: v for k, v in layer.items() if k != "preset"}
+        merged = _deep_merge(merged, layer)
+        # validate each layer as it lands so an error names the layer that introduced it
+        _validate(merged, source)
+    return _validate(merged, None)
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'grpo': {'group_size': 4}} -> {'grpo.group_size': 4} (lists and dict leaves as JSON)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value and all(isinstance(k, str) for k in value) and not (
+            name.endswith("_mix") or name.endswith("suite_sizes")
+        ):
+            out.update(flatten(value, name))
+        elif isinstance(value, (list, dict)):
+            out[name] = json.dumps(value, sort_keys=True)
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,207 @@
+"""The embedded default base model, built locally (no model hub).
+
+A byte-level BPE tokenizer trained on a text corpus (the sandbox's own text, passed in by the
+sandbox build; `fallback_corpus()` otherwise) with a chat template that marks the assistant's turns
+with `{% generation %}` (TRL's assistant-only loss and our masks rely on it), and a small
+Llama-style model initialised from a seed. The result is an ordinary Hugging Face directory plus
+`agentrl.json`, loaded offline by the same `from_pretrained` path as a production model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from components.core.config import TinyModelConfig
+from components.core.schema import ModelCard, to_record
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "build_tiny_model",
+    "build_tokenizer",
+    "ensure_tiny_model",
+    "fallback_corpus",
+    "set_torch_threads",
+]
+
+ROLES = ("system", "user", "assistant", "tool")
+END = "<|end|>"
+PAD = "<|pad|>"
+BOS = "<|bos|>"
+SPECIAL_TOKENS = [PAD, BOS, END] + [f"<|{r}|>" for r in ROLES]
+
+# Newlines after block tags are written as {{ '\n' }}: transformers trims a bare newline there.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{{ '<|' + message['role'] + '|>' }}{{ '\\n' }}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ message['content'] }}{{ '<|end|>' }}{% endgeneration %}"
+    "{%- else -%}"
+    "{{ message['content'] }}{{ '<|end|>' }}"
+    "{%- endif -%}"
+    "{{ '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{{ '\\n' }}{%- endif -%}"
+)
+
+
+def set_torch_threads(n: int | None = None) -> int:
+    """One intra-op thread by default on CPU: two ran 5-10x slower whenever the other core was busy."""
+    import torch
+
+    n = int(n or os.environ.get("AGENTRL_TORCH_THREADS", "1"))
+    torch.set_num_threads(n)
+    return n
+
+
+def fallback_corpus(seed: int = 0, n: int = 2000) -> list[str]:
+    """Agent-shaped text (chat headers, JSON tool calls, workspace words) for when no corpus is given."""
+    rng = random.Random(seed)
+    people = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
+    topics = ["budget", "report", "meeting", "launch", "review", "invoice", "hiring", "roadmap"]
+    tools = ["mail.search", "mail.move", "mail.send", "files.read", "files.write", "calendar.create",
+             "calendar.list", "chat.post", "chat.read", "finish"]
+    out = []
+    for _ in range(n):
+        p, t, tool = rng.choice(people), rng.choice(topics), rng.choice(tools)
+        num = rng.randint(1, 999)
+        out.append(f"<|user|>\nMove the emails from {p} about the {t} to the folder {t.title()}.<|end|>")
+        out.append(
+            f'<|assistant|>\nThought: I should call {tool}.\n'
+            f'{{"tool": "{tool}", "args": {{"query": "from:{p} {t}", "id": "m{num}"}}}}<|end|>'
+        )
+        out.append(f'<|tool|>\n{{"status": 200, "result": [{{"id": "m{num}", "from": "{p}@example.com"}}]}}<|end|>')
+    return out
+
+
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 2048):
+    """Train a byte-level BPE tokenizer on `corpus`; returns a transformers fast tokenizer with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=END,
+        pad_token=PAD,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _fingerprint(cfg: TinyModelConfig, corpus: list[str], seed: int) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(cfg.model_dump(), sort_keys=True).encode())
+    h.update(str(seed).encode())
+    for text in corpus:
+        h.update(text.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    cfg: TinyModelConfig | None = None,
+    corpus: Iterable[str] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Build the tokenizer and a freshly initialised Llama-style model into `out_dir` (replaced whole)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    cfg = cfg or TinyModelConfig()
+    texts = list(corpus) if corpus is not None else fallback_corpus(seed)
+    if not texts:
+        raise ValueError("build_tiny_model: the corpus is empty")
+    started = time.perf_counter()
+    tokenizer = build_tokenizer(texts, cfg.vocab_size)
+    mcfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(mcfg)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        card = ModelCard(
+            base_model="tiny",
+            phase="tiny",
+            extra={
+                "fingerprint": _fingerprint(cfg, texts, seed),
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "seed": seed,
+                "build_seconds": round(time.perf_counter() - started, 3),
+                "tiny_config": cfg.model_dump(),
+            },
+        )
+        (staging / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def ensure_tiny_model(
+    out_dir: str | os.PathLike,
+    cfg: TinyModelConfig | None = None,
+    corpus: Iterable[str] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Build the tiny model unless `out_dir` already holds the one these inputs produce."""
+    cfg = cfg or TinyModelConfig()
+    texts = list(corpus) if corpus is not None else fallback_corpus(seed)
+    out = Path(out_dir)
+    card = out / "agentrl.json"
+    if card.exists():
+        try:
+            if json.loads(card.read_text())["extra"]["fingerprint"] == _fingerprint(cfg, texts, seed):
+                return out
+        except (KeyError, json.JSONDecodeError):
+            pass
+    return build_tiny_model(out, cfg, texts, seed)

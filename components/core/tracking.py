@@ -1,0 +1,420 @@
+"""MLflow runs for phases: one run per phase nested under one parent run per pipeline run.
+
+Where the run comes from, in order:
+1. `MLFLOW_RUN_ID` injected by KFP >= 2.17's MLflow plugin (it made the nested run for this task);
+2. a parent run id passed down by the pipeline: a nested phase run is created under it;
+3. nothing: a parent run is created, and the phase run under it.
+
+Metric keys are `<phase>/<name>`, step = optimizer step. Params are the flattened resolved config with
+secrets scrubbed. If the tracking server becomes unreachable mid-run the work goes on: metrics are
+appended to a buffer file on disk (with one warning per outage) and flushed when the server answers
+again. A buffered batch may have reached the server before its connection failed, so buffered
+metrics are de-duplicated against the server's history before they are sent: none lost, none doubled.
+(MLflow's own async logging keeps its queue in memory only, hence this small layer.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from components.core import storage
+from components.core.config import PipelineConfig, flatten
+
+log = logging.getLogger("agentrl.tracking")
+
+__all__ = ["PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry"]
+
+_SECRET_KEY = re.compile(
+    r"(^|[._-])(secret|secrets|password|passwd|pwd|token|api[_-]?key|access[_-]?key|secret[_-]?key|"
+    r"credentials?|auth|session[_-]?token|private[_-]?key)$",
+    re.IGNORECASE,
+)
+_URL_CREDS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]+):(?P<pw>[^@/\s]+)@", re.IGNORECASE)
+REDACTED = "***"
+
+
+def scrub(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop secret values: keys that name a secret, and passwords inside URLs."""
+    out: dict[str, Any] = {}
+    for k, v in params.items():
+        if _SECRET_KEY.search(str(k)):
+            out[k] = REDACTED
+        elif isinstance(v, str):
+            out[k] = _URL_CREDS.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", v)
+        else:
+            out[k] = v
+    return out
+
+
+def agentrl_home() -> Path:
+    return Path(os.environ.get("AGENTRL_HOME", ".agentrl")).resolve()
+
+
+def local_tracking_uri(home: str | os.PathLike | None = None) -> str:
+    h = Path(home).resolve() if home else agentrl_home()
+    h.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{h / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(explicit: str | None = None, home: str | os.PathLike | None = None) -> str:
+    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or local_tracking_uri(home)
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """True for connection-level failures and 5xx answers (the server is down or restarting)."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, MlflowException):
+        text = str(exc)
+        if "API request to" in text and "failed with exception" in text:
+            return True  # mlflow's wrapper around connection errors and exhausted 5xx retries
+        if getattr(exc, "get_http_status_code", lambda: 0)() >= 500:
+            return True
+    return False
+
+
+class MetricBuffer:
+    """Metrics that could not be sent yet, on disk, one JSON line each ({key, value, step, timestamp})."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, metrics: list[dict[str, Any]]) -> None:
+        with open(self.path, "a", encoding="utf-8") as fh:
+            for m in metrics:
+                fh.write(json.dumps(m) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def load(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line torn by a crash mid-write: the rest is good
+                    log.warning("metric buffer %s: dropping a torn line", self.path)
+        return out
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return len(self.load())
+
+
+class PhaseRun:
+    """Context manager for one phase's MLflow run.
+
+    >>> with PhaseRun("sft", config=cfg) as run:
+    ...     run.log_metrics({"loss": 1.2}, step=1)      # -> key "sft/loss"
+    """
+
+    def __init__(
+        self,
+        phase: str,
+        config: PipelineConfig | None = None,
+        parent_run_id: str | None = None,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        run_name: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        buffer_dir: str | os.PathLike | None = None,
+    ) -> None:
+        self.phase = phase
+        self.config = config
+        tcfg = config.tracking if config else None
+        self.tracking_uri = resolve_tracking_uri(
+            tracking_uri or (tcfg.tracking_uri if tcfg else None), config.run.home if config else None
+        )
+        self.experiment = experiment or (tcfg.experiment if tcfg else "agentrl")
+        self.registered_model = tcfg.registered_model if tcfg else "agentrl-policy"
+        self.parent_run_id = parent_run_id
+        self.run_name = run_name or phase
+        self.tags = dict(tags or {})
+        home = Path(config.run.home).resolve() if config else agentrl_home()
+        self.buffer_root = Path(buffer_dir) if buffer_dir else home / "metric_buffer"
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self.created_parent = False
+        self._warned = False
+        self._buffer: MetricBuffer | None = None
+        self._pending_artifacts: list[tuple[str, str | None]] = []
+        if tcfg is not None:
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(tcfg.request_timeout_s)))
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(tcfg.request_retries))
+        else:
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def client(self):
+        from mlflow import MlflowClient
+
+        if not hasattr(self, "_client"):
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _experiment_id(self) -> str:
+        exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        artifact_location = None
+        if self.tracking_uri.startswith("sqlite:") or self.tracking_uri.startswith("file:"):
+            home = Path(self.tracking_uri.split("///", 1)[-1]).parent
+            artifact_location = (home / "artifacts").resolve().as_uri()
+        try:
+            return self.client.create_experiment(self.experiment, artifact_location=artifact_location)
+        except Exception:
+            exp = self.client.get_experiment_by_name(self.experiment)  # created by a sibling task meanwhile
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def start(self) -> PhaseRun:
+        injected = os.environ.get("MLFLOW_RUN_ID")
+        if injected:
+            run = self.client.get_run(injected)
+            self.run_id = injected
+            self.experiment_id = run.info.experiment_id
+            self.parent_run_id = run.data.tags.get("mlflow.parentRunId", self.parent_run_id)
+        else:
+            self.experiment_id = self._experiment_id()
+            if not self.parent_run_id:
+                parent = self.client.create_run(
+                    self.experiment_id, run_name="agentrl-pipeline", tags={"agentrl.kind": "pipeline"}
+                )
+                self.parent_run_id = parent.info.run_id
+                self.created_parent = True
+            tags = {"mlflow.parentRunId": self.parent_run_id, "agentrl.phase": self.phase, **self.tags}
+            run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
+            self.run_id = run.info.run_id
+        self._buffer = MetricBuffer(self.buffer_root / f"{self.run_id}.jsonl")
+        if self.config is not None:
+            self.log_params(flatten(self.config.to_dict()))
+        return self
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.run_id is None:
+            return
+        self.flush(final=True)
+        try:
+            if not os.environ.get("MLFLOW_RUN_ID") or os.environ["MLFLOW_RUN_ID"] != self.run_id:
+                self.client.set_terminated(self.run_id, status=status)
+            if self.created_parent:
+                self.client.set_terminated(self.parent_run_id, status=status)
+        except Exception as exc:  # the metrics are safe on disk; the status is cosmetic
+            if not _is_unreachable(exc):
+                raise
+            log.warning("tracking server unreachable at the end of %s: run status not set", self.phase)
+
+    def __enter__(self) -> PhaseRun:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.end("FAILED" if exc_type else "FINISHED")
+
+    # -- params, metrics ---------------------------------------------------------------------
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        clean = scrub(params)
+        items = [Param(str(k), str(v)[:6000]) for k, v in clean.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def key(self, name: str) -> str:
+        return name if name.startswith(f"{self.phase}/") else f"{self.phase}/{name}"
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        """Log `<phase>/<name>` metrics; never raises when the server is unreachable (buffers instead)."""
+        ts = int(time.time() * 1000)
+        batch = [
+            {"key": self.key(k), "value": float(v), "step": int(step), "timestamp": ts}
+            for k, v in metrics.items()
+            if v is not None
+        ]
+        self._send(batch)
+
+    def log_metric(self, name: str, value: float, step: int = 0) -> None:
+        self.log_metrics({name: value}, step=step)
+
+    def _post(self, batch: list[dict[str, Any]]) -> None:
+        from mlflow.entities import Metric
+
+        for i in range(0, len(batch), 1000):
+            chunk = [Metric(m["key"], m["value"], m["timestamp"], m["step"]) for m in batch[i : i + 1000]]
+            self.client.log_batch(self.run_id, metrics=chunk)
+
+    def _send(self, batch: list[dict[str, Any]]) -> None:
+        assert self._buffer is not None, "PhaseRun not started"
+        if not self.flush():
+            self._buffer.append(batch)
+            return
+        try:
+            self._post(batch)
+        except Exception as exc:
+            if not _is_unreachable(exc):
+                raise
+            self._warn(exc)
+            self._buffer.append(batch)
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:
+            warnings.warn(
+                f"MLflow tracking server {self.tracking_uri} unreachable ({type(exc).__name__}); "
+                f"metrics are buffered in {self._buffer.path} and will be sent when it is back",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._warned = True
+
+    def _already_logged(self, keys: set[str]) -> set[tuple[str, int, int, float]]:
+        seen: set[tuple[str, int, int, float]] = set()
+        for k in keys:
+            for m in self.client.get_metric_history(self.run_id, k):
+                seen.add((m.key, int(m.step), int(m.timestamp), float(m.value)))
+        return seen
+
+    def flush(self, final: bool = False) -> bool:
+        """Send buffered metrics (and artifacts). True when nothing is left pending."""
+        if self._buffer is None:
+            return True
+        pending = self._buffer.load()
+        if not pending and not self._pending_artifacts:
+            return True
+        try:
+            if pending:
+                seen = self._already_logged({m["key"] for m in pending})
+                fresh, dedup = [], set()
+                for m in pending:
+                    ident = (m["key"], int(m["step"]), int(m["timestamp"]), float(m["value"]))
+                    if ident in seen or ident in dedup:
+                        continue
+                    dedup.add(ident)
+                    fresh.append(m)
+                self._post(fresh)
+                self._buffer.clear()
+            while self._pending_artifacts:
+                local, path = self._pending_artifacts[0]
+                self._upload_artifact(local, path)
+                self._pending_artifacts.pop(0)
+        except Exception as exc:
+            if not _is_unreachable(exc):
+                raise
+            self._warn(exc)
+            if final:
+                log.warning(
+                    "tracking server still unreachable at the end of %s: %d metrics stay in %s",
+                    self.phase, len(self._buffer), self._buffer.path,
+                )
+            return False
+        if self._warned:
+            log.warning("MLflow tracking server is back: buffered metrics sent")
+            self._warned = False
+        return True
+
+    # -- artifacts -----------------------------------------------------------------------------
+    def _upload_artifact(self, local: str, artifact_path: str | None) -> None:
+        if Path(local).is_dir():
+            self.client.log_artifacts(self.run_id, local, artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, local, artifact_path)
+
+    def log_artifact(self, local: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Log a file or a directory; if the store is unreachable it is kept and uploaded on flush."""
+        local = str(local)
+        try:
+            self._upload_artifact(local, artifact_path)
+        except Exception as exc:
+            if not _is_unreachable(exc):
+                raise
+            self._warn(exc)
+            keep = self.buffer_root / f"{self.run_id}.artifacts" / f"{len(self._pending_artifacts)}"
+            keep.mkdir(parents=True, exist_ok=True)
+            dest = keep / Path(local).name
+            (shutil.copytree if Path(local).is_dir() else shutil.copyfile)(local, dest)
+            self._pending_artifacts.append((str(dest), artifact_path))
+
+    def artifact_uri(self, artifact_path: str = "") -> str:
+        base = self.client.get_run(self.run_id).info.artifact_uri
+        return f"{base}/{artifact_path}" if artifact_path else base
+
+    def storage_uri(self, root: str, name: str = "") -> str:
+        """Where this phase's own outputs live: <root>/<experiment>/<parent-run>/<phase>/<name>."""
+        return storage.join(root, self.experiment, self.parent_run_id or self.run_id, self.phase, *(p for p in [name] if p))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        for k, v in scrub(tags).items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    # -- registry ------------------------------------------------------------------------------
+    def register_model(self, artifact_path: str, alias: str | None = None, tags: Mapping[str, str] | None = None):
+        """Register the model logged at `artifact_path` of this run; returns the ModelVersion."""
+        return Registry(self.tracking_uri, self.registered_model).register(
+            source=self.artifact_uri(artifact_path), run_id=self.run_id, alias=alias, tags=tags
+        )
+
+
+class Registry:
+    """The model registry: `agentrl-policy` with aliases `champion` and `challenger`."""
+
+    def __init__(self, tracking_uri: str | None = None, name: str = "agentrl-policy") -> None:
+        from mlflow import MlflowClient
+
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self.name = name
+        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+
+    def ensure(self) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.name)
+        except MlflowException:
+            try:
+                self.client.create_registered_model(self.name)
+            except MlflowException:
+                self.client.get_registered_model(self.name)  # created concurrently
+
+    def register(self, source: str, run_id: str | None = None, alias: str | None = None, tags=None, timeout_s=60):
+        self.ensure()
+        mv = self.client.create_model_version(self.name, source=source, run_id=run_id, tags=dict(tags or {}))
+        deadline = time.time() + timeout_s
+        while mv.status != "READY" and time.time() < deadline:
+            time.sleep(0.2)
+            mv = self.client.get_model_version(self.name, mv.version)
+        if mv.status != "READY":
+            raise RuntimeError(f"model version {self.name}/{mv.version} not READY: {mv.status}")
+        if alias:
+            self.set_alias(alias, mv.version)
+        return mv
+
+    def set_alias(self, alias: str, version: str | int) -> None:
+        self.client.set_registered_model_alias(self.name, alias, str(version))
+
+    def get_alias(self, alias: str):
+        """The ModelVersion behind `alias`, or None."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version_by_alias(self.name, alias)
+        except MlflowException:
+            return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -61,7 +62,11 @@ class RunConfig(_Section):
     torch_threads: int = Field(
         1, ge=1, le=512, description="intra-op threads on CPU (1 is fastest on a shared 2-core box)"
     )
-    home: str = Field(".agentrl", min_length=1, description="AGENTRL_HOME for the embedded default")
+    home: str = Field(
+        default_factory=lambda: os.environ.get("AGENTRL_HOME", ".agentrl"),
+        min_length=1,
+        description="AGENTRL_HOME: the embedded default's MLflow store, artifacts and caches",
+    )
 
 
 class TinyModelConfig(_Section):

@@ -209,8 +209,7 @@ def open_lines(uri: str) -> Iterator[str]:
             raise FileNotFoundError(uri) from None
         buf = io.TextIOWrapper(body, encoding="utf-8", newline="")
         try:
-            for line in buf:
-                yield line
+            yield from buf
         finally:
             body.close()
         return

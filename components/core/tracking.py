@@ -31,7 +31,7 @@ from components.core.config import PipelineConfig, flatten
 
 log = logging.getLogger("agentrl.tracking")
 
-__all__ = ["PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry"]
+__all__ = ["start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry"]
 
 _SECRET_KEY = re.compile(
     r"(^|[._-])(secret|secrets|password|passwd|pwd|token|api[_-]?key|access[_-]?key|secret[_-]?key|"
@@ -135,8 +135,10 @@ class PhaseRun:
         run_name: str | None = None,
         tags: Mapping[str, str] | None = None,
         buffer_dir: str | os.PathLike | None = None,
+        close_parent: bool = True,
     ) -> None:
         self.phase = phase
+        self.close_parent = close_parent
         self.config = config
         tcfg = config.tracking if config else None
         self.tracking_uri = resolve_tracking_uri(
@@ -173,20 +175,7 @@ class PhaseRun:
         return self._client
 
     def _experiment_id(self) -> str:
-        exp = self.client.get_experiment_by_name(self.experiment)
-        if exp is not None:
-            return exp.experiment_id
-        artifact_location = None
-        if self.tracking_uri.startswith("sqlite:") or self.tracking_uri.startswith("file:"):
-            home = Path(self.tracking_uri.split("///", 1)[-1]).parent
-            artifact_location = (home / "artifacts").resolve().as_uri()
-        try:
-            return self.client.create_experiment(self.experiment, artifact_location=artifact_location)
-        except Exception:
-            exp = self.client.get_experiment_by_name(self.experiment)  # created by a sibling task meanwhile
-            if exp is None:
-                raise
-            return exp.experiment_id
+        return ensure_experiment(self.client, self.experiment, self.tracking_uri)
 
     def start(self) -> PhaseRun:
         injected = os.environ.get("MLFLOW_RUN_ID")
@@ -218,7 +207,7 @@ class PhaseRun:
         try:
             if not os.environ.get("MLFLOW_RUN_ID") or os.environ["MLFLOW_RUN_ID"] != self.run_id:
                 self.client.set_terminated(self.run_id, status=status)
-            if self.created_parent:
+            if self.created_parent and self.close_parent:
                 self.client.set_terminated(self.parent_run_id, status=status)
         except Exception as exc:  # the metrics are safe on disk; the status is cosmetic
             if not _is_unreachable(exc):
@@ -371,6 +360,39 @@ class PhaseRun:
         return Registry(self.tracking_uri, self.registered_model).register(
             source=self.artifact_uri(artifact_path), run_id=self.run_id, alias=alias, tags=tags
         )
+
+
+def ensure_experiment(client, name: str, tracking_uri: str) -> str:
+    """The id of experiment `name`, created if needed (local stores keep artifacts beside mlflow.db)."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifact_location = None
+    if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
+        home = Path(tracking_uri.split("///", 1)[-1]).parent
+        artifact_location = (home / "artifacts").resolve().as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except Exception:
+        exp = client.get_experiment_by_name(name)  # created by a sibling task meanwhile
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def start_pipeline_run(tracking_uri: str, experiment: str, run_name: str, tags: Mapping[str, str] | None = None) -> str:
+    """Create the parent run of one pipeline run; phases nest under it. Returns its id."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp_id = ensure_experiment(client, experiment, tracking_uri)
+    return client.create_run(exp_id, run_name=run_name, tags={"agentrl.kind": "pipeline", **(tags or {})}).info.run_id
+
+
+def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri).set_terminated(run_id, status=status)
 
 
 class Registry:

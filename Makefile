@@ -1,0 +1,54 @@
+# agentrl — every target does its own set-up on a fresh machine and skips it when already done.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch (on disk on developer/CI machines); images install a CUDA build instead.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.agentrl-setup
+export AGENTRL_HOME ?= $(CURDIR)/.agentrl
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup run test test-fast bench compile lint ui clean
+
+# Re-run only when the project's dependencies change.
+$(STAMP): pyproject.toml
+	@echo "==> setting up $(VENV) (torch first: $(TORCH_SPEC), then agentrl[dev])"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+## The whole pipeline, locally, on the embedded default (tiny model, kfp.local, sqlite MLflow).
+run: $(STAMP)
+	$(VENV)/bin/agentrl run $(ARGS)
+
+## Every test, slow ones included (what CI runs).
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## The fast tests only.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+## Benchmarks: a table, and $(AGENTRL_HOME)/bench.json.
+bench: $(STAMP)
+	$(PY) -m tests.benchmarks $(ARGS)
+
+## Compiled pipeline YAML for upload to Kubeflow.
+compile: $(STAMP)
+	$(VENV)/bin/agentrl compile $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check components pipelines tests
+
+## The MLflow UI on the local store.
+ui: $(STAMP)
+	$(VENV)/bin/agentrl ui
+
+clean:
+	rm -rf $(AGENTRL_HOME) build dist *.egg-info

@@ -1,0 +1,119 @@
+"""The `prepare` step, top to bottom.
+
+1. Resolve the config (preset <- overrides) and validate it before anything heavy happens.
+2. Open the phase run (under the parent run; create the parent when there is none).
+3. Bring the base model in: build the embedded tiny model, or fetch a directory / s3:// URI (verified).
+4. Smoke-test it: load it offline through `from_pretrained`, apply the chat template, generate.
+5. Write the model and the resolved config to the outputs, store the model under the run's storage
+   prefix, log metrics and artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.core import storage
+from components.core.config import PipelineConfig, load_config
+from components.core.tiny import ensure_tiny_model, set_torch_threads
+from components.core.tracking import PhaseRun
+
+PHASE = "prepare"
+
+
+@dataclass
+class PrepareResult:
+    parent_run_id: str
+    run_id: str
+    model_dir: str
+    model_uri: str
+    metrics: dict[str, float]
+
+
+def fetch_base_model(cfg: PipelineConfig, home: Path) -> Path:
+    """A local directory holding the base model named by `model.base_uri`."""
+    uri = cfg.model.base_uri
+    if uri == "tiny":
+        # the sandbox's text becomes the corpus once the sandbox lands; until then the fallback corpus
+        return ensure_tiny_model(home / "models" / "tiny-base", cfg.model.tiny, seed=cfg.run.seed)
+    if storage.is_s3(uri):
+        return storage.localize_dir(uri, home / "cache")
+    path = Path(uri)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.base_uri={uri!r}: no Hugging Face model directory (config.json) there")
+    return path
+
+
+def smoke_test(model_dir: Path, max_new_tokens: int = 16) -> dict[str, float]:
+    """Load offline like any production model and generate: the model and its template work."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if not tok.chat_template or "generation" not in tok.chat_template:
+        raise ValueError(
+            f"{model_dir}: the tokenizer's chat template does not mark assistant turns with "
+            "{% generation %}; agent-token masks need it"
+        )
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "Move the mails from alice to Finance."}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tok.pad_token_id)
+    dt = time.perf_counter() - t0
+    new = out.shape[1] - enc["input_ids"].shape[1]
+    return {
+        "base_parameters": float(sum(p.numel() for p in model.parameters())),
+        "smoke_new_tokens": float(new),
+        "smoke_tokens_per_s": new / max(dt, 1e-9),
+        "vocab_size": float(len(tok)),
+    }
+
+
+def run(
+    preset: str = "tiny",
+    overrides: str = "",
+    base_model_uri: str = "",
+    experiment: str = "",
+    model_out: str | None = None,
+    config_out: str | None = None,
+    parent_run_id: str | None = None,
+) -> PrepareResult:
+    pairs = [f"model.base_uri={base_model_uri}"] if base_model_uri else []
+    pairs += [f"tracking.experiment={experiment}"] if experiment else []
+    cfg = load_config(preset=preset or None, overrides_json=overrides or None, set_pairs=pairs)
+    home = Path(cfg.run.home).resolve()
+    os.environ.setdefault("AGENTRL_HOME", str(home))
+    set_torch_threads(cfg.run.torch_threads)
+    storage_root = cfg.storage.root or str(home / "store")
+
+    with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+        t0 = time.perf_counter()
+        model_dir = fetch_base_model(cfg, home)
+        metrics = {"fetch_seconds": time.perf_counter() - t0}
+        metrics.update(smoke_test(model_dir))
+        tracker.log_metrics(metrics, step=0)
+
+        model_uri = tracker.storage_uri(storage_root, "base_model")
+        storage.put_dir(model_dir, model_uri)
+        if model_out:
+            shutil.copytree(model_dir, model_out, dirs_exist_ok=True)
+        resolved = json.dumps(cfg.to_dict(), indent=1, sort_keys=True)
+        if config_out:
+            Path(config_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(config_out).write_text(resolved)
+        cfg_file = home / "runs" / tracker.run_id / "config.json"
+        cfg_file.parent.mkdir(parents=True, exist_ok=True)
+        cfg_file.write_text(resolved)
+        tracker.log_artifact(cfg_file)
+        tracker.set_tags({"agentrl.base_model": cfg.model.base_uri, "agentrl.model_uri": model_uri})
+        return PrepareResult(tracker.parent_run_id, tracker.run_id, str(model_dir), model_uri, metrics)

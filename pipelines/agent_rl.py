@@ -1,0 +1,34 @@
+"""The agentrl pipeline (DESIGN.md §1). It grows as the phases land; today: `prepare`."""
+
+from kfp import dsl
+
+from components.prepare.component import prepare
+
+
+@dsl.pipeline(
+    name="agentrl",
+    description="Turn a base LLM into a tool-using agent: SFT warmup, sandbox, GRPO, rejection sampling, "
+    "DPO from A/B data, evaluation and promotion.",
+)
+def agent_rl(
+    base_model_uri: str = "",
+    preset: str = "tiny",
+    overrides: str = "",
+    experiment: str = "agentrl",
+    parent_run_id: str = "",
+):
+    """agentrl end to end.
+
+    Args:
+        base_model_uri: the model to start from: a Hugging Face directory on the node or an s3:// URI;
+            empty = the preset's (the tiny preset builds its own model locally).
+        preset: 'tiny' (CPU, minutes) or 'h100' (cluster defaults).
+        overrides: JSON object of config overrides, e.g. {"grpo": {"group_size": 16}}.
+        experiment: MLflow experiment name.
+        parent_run_id: an MLflow run to nest under; empty = create one (or use the KFP MLflow plugin's).
+    """
+    prep = prepare(
+        preset=preset, overrides=overrides, base_model_uri=base_model_uri, experiment=experiment,
+        parent_run_id=parent_run_id,
+    )
+    prep.set_display_name("prepare")

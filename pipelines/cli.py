@@ -1,0 +1,173 @@
+"""`agentrl`: run the pipeline locally (kfp.local), compile it, inspect the config, open the MLflow UI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from components.core.config import ConfigError, load_config
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=["tiny", "h100"], default=None, help="config preset (default: tiny)")
+    p.add_argument("--config", "-c", action="append", default=[], metavar="FILE", help="YAML config file(s)")
+    p.add_argument("--set", "-s", dest="set_pairs", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one field, e.g. --set grpo.group_size=16")
+    p.add_argument("--overrides", default=None, help="JSON object of overrides")
+
+
+def _resolve(args):
+    return load_config(preset=args.preset, files=args.config, overrides_json=args.overrides,
+                       set_pairs=args.set_pairs)
+
+
+def _home(cfg) -> Path:
+    home = Path(cfg.run.home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["AGENTRL_HOME"] = str(home)
+    return home
+
+
+def cmd_config(args) -> int:
+    cfg = _resolve(args)
+    print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+    return 0
+
+
+def _phase_summary(tracking_uri: str, parent_run_id: str) -> dict:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"
+    )
+    phases = {}
+    for r in sorted(runs, key=lambda r: r.info.start_time):
+        phase = r.data.tags.get("agentrl.phase", r.info.run_name)
+        end = r.info.end_time or int(time.time() * 1000)
+        phases[phase] = {
+            "run_id": r.info.run_id,
+            "status": r.info.status,
+            "wall_s": round((end - r.info.start_time) / 1000, 2),
+            "metrics": {k.split("/", 1)[-1]: v for k, v in sorted(r.data.metrics.items())},
+        }
+    return phases
+
+
+def cmd_run(args) -> int:
+    """The pipeline through kfp.local (subprocess runner, the current environment)."""
+    from kfp import local
+
+    from components.core.tracking import end_run, resolve_tracking_uri, start_pipeline_run
+    from pipelines.agent_rl import agent_rl
+
+    cfg = _resolve(args)  # validated before anything starts
+    home = _home(cfg)
+    cfg.run.home = str(home)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri, home)
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    root = home / "pipeline_root"
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root))
+
+    parent_id = start_pipeline_run(tracking_uri, cfg.tracking.experiment, "agentrl-local",
+                                   tags={"agentrl.runner": "kfp.local", "agentrl.preset": cfg.preset})
+    started = time.time()
+    status = "FAILED"
+    try:
+        agent_rl(preset=cfg.preset, overrides=json.dumps(cfg.to_dict()), experiment=cfg.tracking.experiment,
+                 parent_run_id=parent_id)
+        status = "FINISHED"
+    except RuntimeError as exc:
+        # kfp.local's message carries ANSI colours; the component's traceback was streamed above
+        import re
+
+        print("\nagentrl run failed: " + re.sub(r"\x1b\[[0-9;]*m", "", str(exc)), file=sys.stderr)
+    finally:
+        end_run(tracking_uri, parent_id, status)
+    phases = _phase_summary(tracking_uri, parent_id)
+    report = {
+        "parent_run_id": parent_id,
+        "tracking_uri": tracking_uri,
+        "status": status,
+        "wall_s": round(time.time() - started, 2),
+        "phases": {k: {"wall_s": v["wall_s"], "status": v["status"]} for k, v in phases.items()},
+        "metrics": {k: v["metrics"] for k, v in phases.items()},
+    }
+    (home / "last_run.json").write_text(json.dumps(report, indent=1))
+    _print_table(report)
+    return 0 if status == "FINISHED" else 1
+
+
+def _print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"agentrl run {report['parent_run_id']} — {report['status']} in {report['wall_s']} s")
+    table.add_column("phase")
+    table.add_column("status")
+    table.add_column("wall s", justify="right")
+    table.add_column("metrics")
+    for phase, info in report["phases"].items():
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in report["metrics"][phase].items())
+        table.add_row(phase, info["status"], f"{info['wall_s']:.1f}", metrics)
+    console = Console()
+    console.print(table)
+    console.print(f"MLflow: {report['tracking_uri']}  (agentrl ui)")
+
+
+def cmd_compile(args) -> int:
+    from kfp import compiler
+
+    from pipelines.agent_rl import agent_rl
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(agent_rl, str(out))
+    print(f"compiled {out}")
+    return 0
+
+
+def cmd_ui(args) -> int:
+    cfg = load_config()
+    home = _home(cfg)
+    from components.core.tracking import local_tracking_uri
+
+    cmd = [str(Path(sys.executable).with_name("mlflow")), "ui", "--backend-store-uri", local_tracking_uri(home),
+           "--host", args.host, "--port", str(args.port)]
+    print("$ " + " ".join(cmd))
+    return subprocess.call(cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="run the pipeline locally on the embedded default (kfp.local)")
+    _config_args(p)
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("config", help="print the resolved, validated config")
+    _config_args(p)
+    p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("compile", help="compile the pipeline to YAML for upload to Kubeflow")
+    p.add_argument("--output", "-o", default="build/agent_rl.yaml")
+    p.set_defaults(fn=cmd_compile)
+    p = sub.add_parser("ui", help="the MLflow UI on the local store")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    p.set_defaults(fn=cmd_ui)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"agentrl: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

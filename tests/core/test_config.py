@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.core.config import PRESETS, ConfigError, PipelineConfig, flatten, load_config, parse_set
+
+
+def test_defaults_are_the_tiny_preset():
+    cfg = load_config()
+    assert cfg.preset == "tiny" and cfg.model.base_uri == "tiny" and cfg.run.torch_threads == 1
+
+
+def test_h100_preset_with_a_model():
+    cfg = load_config(preset="h100", set_pairs=["model.base_uri=s3://models/qwen"])
+    assert cfg.sft.deepspeed == "zero3" and cfg.generation.backend == "vllm" and cfg.sft.bf16
+    assert cfg.grpo.group_size == 8 and cfg.grpo.tasks_per_step == 256
+
+
+def test_layers_apply_in_order(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("grpo:\n  group_size: 6\n  steps: 5\nsft:\n  learning_rate: 0.01\n")
+    cfg = load_config(files=[f], overrides_json='{"grpo": {"steps": 7}}', set_pairs=["grpo.steps=9"])
+    assert (cfg.grpo.group_size, cfg.grpo.steps, cfg.sft.learning_rate) == (6, 9, 0.01)
+
+
+def test_set_coerces_types():
+    cfg = load_config(set_pairs=[
+        "grpo.group_size=16", "model.lora.enabled=true", "grpo.clip_eps_high=0.28",
+        "eval.suites=[easy, hard]", "sft.data_uri=s3://b/demos.jsonl", "eval.baseline=null",
+        "grpo.curriculum.start_mix={1: 0.5, 2: 0.5}",
+    ])
+    assert cfg.grpo.group_size == 16 and cfg.model.lora.enabled is True
+    assert cfg.eval.suites == ["easy", "hard"] and cfg.sft.data_uri == "s3://b/demos.jsonl"
+    assert cfg.grpo.curriculum.start_mix == {1: 0.5, 2: 0.5}
+
+
+def test_preset_from_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: h100\nmodel:\n  base_uri: /models/llama\n")
+    assert load_config(files=[f]).sft.deepspeed == "zero3"
+
+
+def test_roundtrip_and_flatten():
+    cfg = load_config(set_pairs=["grpo.group_size=5"])
+    again = PipelineConfig.model_validate(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    flat = flatten(cfg.to_dict())
+    assert flat["grpo.group_size"] == 5 and flat["model.lora.r"] == 8
+    assert json.loads(flat["grpo.curriculum.final_mix"]) == {"1": 0.1, "2": 0.15, "3": 0.25, "4": 0.3, "5": 0.2}
+    assert all(not isinstance(v, (dict, list)) for v in flat.values())
+
+
+BAD = [
+    # (layer kwargs, text the error must contain — always the field's dotted name)
+    (dict(set_pairs=["grpo.grup_size=3"]), "grpo.grup_size: unknown key (did you mean 'group_size'?)"),
+    (dict(overrides_json='{"sfft": {"epochs": 1}}'), "sfft: unknown key (did you mean 'sft'?)"),
+    (dict(set_pairs=["grpo.group_size=abc"]), 'grpo.group_size = "abc": expected a valid integer'),
+    (dict(set_pairs=["grpo.group_size=1"]), "grpo.group_size = 1: expected greater than or equal to 2"),
+    (dict(set_pairs=["sft.learning_rate=-0.1"]), "sft.learning_rate = -0.1: expected greater than 0"),
+    (dict(set_pairs=["generation.backend=tpu"]), "generation.backend = \"tpu\": expected 'hf' or 'vllm'"),
+    (dict(set_pairs=["grpo.curriculum.start_mix={1: 0.5}"]), "grpo.curriculum.start_mix: weights must sum to 1"),
+    (dict(set_pairs=["grpo.curriculum.final_mix={7: 1.0}"]), "grpo.curriculum.final_mix: levels must be 1..5"),
+    (dict(set_pairs=["rejection_sampling.top_k=32"]), "rejection_sampling.top_k=32 must be <= rejection_sampling.num_samples=16"),
+    (dict(set_pairs=["model.tiny.num_heads=3"]), "model.tiny.hidden_size=256 must be divisible by model.tiny.num_heads=3"),
+    (dict(set_pairs=["model.base_uri=hf://meta/llama"]), "model.base_uri='hf://meta/llama'"),
+    (dict(set_pairs=["sft.deepspeed=zero4"]), "sft.deepspeed='zero4'"),
+    (dict(set_pairs=["grpo.clip_eps_high=0.1"]), "grpo.clip_eps_high=0.1 must be >= grpo.clip_eps=0.2"),
+    (dict(set_pairs=["generation.max_new_tokens=2000"]), "generation.max_new_tokens=2000 must be <"),
+    (dict(set_pairs=["sandbox.suite_sizes.medium=3"]), "sandbox.suite_sizes.medium"),
+    (dict(set_pairs=["eval.suites=[easy, extreme]"]), "eval.suites.1 = \"extreme\""),
+    (dict(preset="h100"), "model.base_uri='tiny' with preset 'h100'"),
+    (dict(preset="tpu-pod"), "preset = 'tpu-pod'"),
+    (dict(set_pairs=["run.seed"]), "--set 'run.seed': expected section.field=value"),
+    (dict(overrides_json="{not json"), "overrides: not valid JSON"),
+    (dict(overrides_json="[1, 2]"), "overrides: expected a JSON object"),
+    (dict(set_pairs=["grpo.sage.enabled=maybe"]), 'grpo.sage.enabled = "maybe": expected a valid boolean'),
+    (dict(set_pairs=["dpo.simulate.noise_rate=0.9"]), "dpo.simulate.noise_rate = 0.9"),
+]
+
+
+@pytest.mark.parametrize("kwargs,expected", BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_config_names_the_field(kwargs, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(**kwargs)
+    assert expected in str(err.value), str(err.value)
+
+
+def test_bad_yaml_file_is_named(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("grpo: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
+        load_config(files=[f])
+    g = tmp_path / "typo.yaml"
+    g.write_text("grpo:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"grpo.stepz: unknown key \(did you mean 'steps'\?\) \[.*typo.yaml\]"):
+        load_config(files=[g])
+    with pytest.raises(ConfigError, match="missing.yaml: not found"):
+        load_config(files=[tmp_path / "missing.yaml"])
+
+
+def test_every_error_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides_json='{"grpo": {"group_size": 0, "steps": -1}}')
+    assert "grpo.group_size" in str(err.value) and "grpo.steps" in str(err.value)
+
+
+def test_parse_set_nested_dict_fields():
+    assert parse_set(["sandbox.suite_sizes.easy=3"]) == {"sandbox": {"suite_sizes": {"easy": 3}}}
+
+
+def test_presets_are_valid():
+    for name in PRESETS:
+        load_config(preset=name, set_pairs=[] if name == "tiny" else ["model.base_uri=/m"])

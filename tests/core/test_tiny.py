@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from components.core.config import TinyModelConfig
+from components.core.tiny import CHAT_TEMPLATE, build_tiny_model, ensure_tiny_model, fallback_corpus
+
+SMALL = TinyModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=128, max_position_embeddings=256)
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(), seed=0)
+
+
+def test_default_model_size_and_card(tiny):
+    card = json.loads((tiny / "agentrl.json").read_text())
+    assert card["schema"] == "agentrl/model/v1" and card["phase"] == "tiny"
+    assert 2_000_000 < card["extra"]["parameters"] < 10_000_000  # "a few million"
+    assert "{% generation %}" in (tiny / "chat_template.jinja").read_text()
+
+
+def test_reloads_offline_in_a_fresh_process(tiny):
+    code = (
+        "import os, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
+        f"p={str(tiny)!r}; tok=AutoTokenizer.from_pretrained(p); m=AutoModelForCausalLM.from_pretrained(p);"
+        "ids=tok.apply_chat_template([{'role':'user','content':'Move the mails'}], add_generation_prompt=True,"
+        " return_tensors='pt', return_dict=True)['input_ids'];"
+        "out=m.generate(ids, max_new_tokens=5, do_sample=False); print(out.shape[1] > ids.shape[1])"
+    )
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tiny.parent)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().endswith("True")
+
+
+def test_assistant_mask_covers_exactly_the_agent_turns(tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    msgs = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Move the budget mails"},
+        {"role": "assistant", "content": '{"tool": "mail.search"}'},
+        {"role": "tool", "content": '{"status": 200}'},
+        {"role": "assistant", "content": "done"},
+    ]
+    out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    assert tok.decode([i for i, m in zip(ids, mask, strict=False) if m]) == '{"tool": "mail.search"}<|end|>done<|end|>'
+    assert tok.decode([i for i, m in zip(ids, mask, strict=False) if not m]).count("<|end|>") == 3
+    for special in ("<|end|>", "<|assistant|>", "<|tool|>", "<|pad|>"):
+        assert len(tok.encode(special, add_special_tokens=False)) == 1
+    assert tok.eos_token == "<|end|>" and tok.padding_side == "left"
+    with pytest.raises(Exception, match="unknown role"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
+
+def test_deterministic_for_a_seed(tmp_path):
+    a = build_tiny_model(tmp_path / "a", SMALL, seed=7)
+    b = build_tiny_model(tmp_path / "b", SMALL, seed=7)
+    c = build_tiny_model(tmp_path / "c", SMALL, seed=8)
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert digest(a / name) == digest(b / name)
+    assert digest(a / "model.safetensors") != digest(c / "model.safetensors")
+
+
+def test_tokenizer_learns_the_given_corpus(tmp_path):
+    corpus = ["zebra quokka " * 20] * 50 + fallback_corpus(0, 50)
+    m = build_tiny_model(tmp_path / "m", SMALL, corpus=corpus, seed=0)
+    vocab = json.loads((m / "tokenizer.json").read_text())["model"]["vocab"]
+    assert any("quokka" in t for t in vocab)
+
+
+def test_ensure_rebuilds_only_when_inputs_change(tmp_path):
+    p = ensure_tiny_model(tmp_path / "m", SMALL, seed=0)
+    before = (p / "model.safetensors").stat().st_mtime_ns
+    ensure_tiny_model(tmp_path / "m", SMALL, seed=0)
+    assert (p / "model.safetensors").stat().st_mtime_ns == before
+    ensure_tiny_model(tmp_path / "m", SMALL, seed=1)
+    assert json.loads((p / "agentrl.json").read_text())["extra"]["seed"] == 1
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="corpus is empty"):
+        build_tiny_model(tmp_path / "m", SMALL, corpus=[], seed=0)
+
+
+def test_template_constant_matches_saved(tiny):
+    assert (tiny / "chat_template.jinja").read_text().strip() == CHAT_TEMPLATE.strip()

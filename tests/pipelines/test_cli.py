@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from pipelines.cli import main
+
+
+def test_config_prints_resolved_and_rejects_typos(capsys):
+    assert main(["config", "--set", "grpo.group_size=6"]) == 0
+    assert json.loads(capsys.readouterr().out)["grpo"]["group_size"] == 6
+    assert main(["config", "--set", "grpo.grup_size=6"]) == 2
+    assert "did you mean 'group_size'" in capsys.readouterr().err
+
+
+def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
+    out = tmp_path / "p.yaml"
+    assert main(["compile", "-o", str(out)]) == 0
+    docs = list(yaml.safe_load_all(out.read_text()))
+    spec = docs[0]
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert {"base_model_uri", "preset", "overrides", "experiment", "parent_run_id"} <= set(params)
+    assert "prepare" in json.dumps(spec["root"]["dag"]["tasks"])
+    assert all("ghcr.io/agentrl/trainer" in e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values())
+
+
+def test_run_locally_through_kfp_local(tmp_path):
+    """`agentrl run` end to end on the embedded default (what `make run` does)."""
+    env = {"AGENTRL_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "HOME": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "run"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    report = json.loads((tmp_path / "home" / "last_run.json").read_text())
+    assert report["status"] == "FINISHED"
+    assert report["phases"]["prepare"]["status"] == "FINISHED"
+    assert report["metrics"]["prepare"]["smoke_new_tokens"] == 16
+    assert 2e6 < report["metrics"]["prepare"]["base_parameters"] < 1e7
+    from mlflow import MlflowClient
+
+    client = MlflowClient(report["tracking_uri"])
+    assert client.get_run(report["parent_run_id"]).info.status == "FINISHED"
+
+
+def test_run_with_a_bad_override_fails_before_any_work(tmp_path):
+    env = {"AGENTRL_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", "--set", "sft.learning_rate=-1"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 2 and "sft.learning_rate = -1" in res.stderr
+    assert not (tmp_path / "home" / "pipeline_root").exists()

@@ -192,8 +192,8 @@ class RewardConfig(_Section):
 # --------------------------------------------------------------------------------------------
 class SandboxConfig(_Section):
     seed: int = Field(0, ge=0)
-    num_users: int = Field(4, ge=1, le=100_000)
-    emails_per_user: int = Field(30, ge=0, le=100_000)
+    num_users: int = Field(6, ge=1, le=100_000)
+    emails_per_user: int = Field(40, ge=0, le=100_000)
     files_per_user: int = Field(12, ge=0, le=100_000)
     events_per_user: int = Field(10, ge=0, le=100_000)
     channels_per_user: int = Field(3, ge=0, le=10_000)
@@ -202,7 +202,9 @@ class SandboxConfig(_Section):
         default_factory=lambda: {"easy": 40, "hard": 40, "safety": 30, "robustness": 30}
     )
     action_format: Literal["json", "code"] = "json"
-    max_turns: int = Field(8, ge=1, le=200)
+    max_turns: int = Field(12, ge=1, le=200)
+    observation_chars: int = Field(1200, ge=100, le=1_000_000, description="observations are cut to this size")
+    catalogue: Literal["full", "compact"] = Field("compact", description="tool list in the system prompt")
     max_batch_items: int = Field(100, ge=1, description="hard limit: items touched by one action")
     code_cpu_time_s: float = Field(2.0, gt=0, le=600)
     code_memory_mb: int = Field(256, ge=32, le=65536)
@@ -444,6 +446,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "train_tasks_per_level": 20000,
             "suite_sizes": {"easy": 200, "hard": 200, "safety": 200, "robustness": 200},
             "max_turns": 30,
+            "observation_chars": 8000,
+            "catalogue": "full",
         },
         "sft": {
             "epochs": 2.0,

@@ -84,6 +84,10 @@ class Task:
     verifier: Verifier
     subgoals: list[Subgoal] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
+    # environment options never shown to the agent (faults, the simulated user's answers, setup)
+    options: dict[str, Any] = field(default_factory=dict)
+    # a reference solution for expert demonstrations and repair (never shown to the agent)
+    solution: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= int(self.level) <= 5:

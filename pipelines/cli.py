@@ -145,6 +145,24 @@ def cmd_ui(args) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_sandbox_serve(args) -> int:
+    """The sandbox HTTP server (the Kubernetes sandbox Deployment runs exactly this)."""
+    from components.sandbox.server import serve
+    from components.sandbox.world import World, generate_world
+
+    cfg = _resolve(args)
+    if args.world:
+        from components.core import storage
+
+        world = World.from_dict(json.loads(storage.read_text(args.world)))
+    else:
+        world = generate_world(cfg.sandbox)
+    print(f"agentrl sandbox: world {world.digest()[:16]} ({len(world.users)} users) on http://{args.host}:{args.port}",
+          flush=True)
+    serve(args.host, args.port, world, cfg.sandbox, cfg.rewards)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentrl", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -161,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)
     p.set_defaults(fn=cmd_ui)
+    p = sub.add_parser("sandbox", help="the workspace sandbox")
+    sandbox_sub = p.add_subparsers(dest="sandbox_cmd", required=True)
+    p = sandbox_sub.add_parser("serve", help="serve reset/step/verify over HTTP")
+    _config_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--world", default=None, help="world.json (path or s3://) from sandbox_build; default: generate")
+    p.set_defaults(fn=cmd_sandbox_serve)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

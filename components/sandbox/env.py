@@ -31,6 +31,53 @@ SOFT_RULES = {
 }
 
 
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def _biggest(obj: Any, path: tuple = ()) -> tuple[int, tuple, Any]:
+    """(size, path, node) of the largest string or list inside obj."""
+    best = (-1, (), None)
+    if isinstance(obj, str):
+        return (len(obj), path, obj)
+    if isinstance(obj, list):
+        best = (len(_dumps(obj)), path, obj) if len(obj) > 1 else best
+        items = enumerate(obj)
+    elif isinstance(obj, dict):
+        items = obj.items()
+    else:
+        return best
+    for k, v in items:
+        cand = _biggest(v, (*path, k))
+        if cand[0] > best[0]:
+            best = cand
+    return best
+
+
+def fit_json(payload: dict[str, Any], limit: int) -> str:
+    text = _dumps(payload)
+    if len(text) <= limit:
+        return text
+    obj = json.loads(text)
+    obj["truncated"] = True
+    for _ in range(200):
+        text = _dumps(obj)
+        if len(text) <= limit:
+            return text
+        size, path, node = _biggest(obj)
+        if size <= 3 or not path:
+            break
+        parent = obj
+        for k in path[:-1]:
+            parent = parent[k]
+        over = len(text) - limit
+        if isinstance(node, str):
+            parent[path[-1]] = node[: max(0, len(node) - over - 3)] + "..."
+        else:
+            parent[path[-1]] = node[: max(1, len(node) // 2)] + ["..."]
+    return _dumps({"ok": payload.get("ok", False), "truncated": True})
+
+
 def _compact_catalogue() -> str:
     return "; ".join(f"{t.name}({', '.join(p.name for p in t.params)})" for t in CATALOGUE)
 
@@ -101,9 +148,8 @@ class WorkspaceEnv:
         return text
 
     def _obs(self, payload: dict[str, Any]) -> str:
-        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, default=str)
-        limit = self.cfg.observation_chars
-        return text if len(text) <= limit else text[: limit - 14] + "...(truncated)"
+        """Compact JSON within the size budget: the biggest strings and lists are shortened, the JSON stays valid."""
+        return fit_json(payload, self.cfg.observation_chars)
 
     def step(self, action_text: str) -> StepResult:
         if self.task is None:

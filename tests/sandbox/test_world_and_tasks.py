@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import hashlib
+import json
+
+from components.core.config import SandboxConfig
+from components.core.schema import to_record
+from components.sandbox.tasks import FAMILIES, SUITE_FAMILIES, generate_tasks
+from components.sandbox.world import World, generate_world
+
+
+def task_digest(suites) -> str:
+    h = hashlib.sha256()
+    for name in sorted(suites):
+        for t in suites[name]:
+            h.update(json.dumps(to_record(t), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def test_same_seed_same_bytes_other_seed_different():
+    a, b, c = (generate_world(SandboxConfig(seed=s)) for s in (3, 3, 4))
+    assert a.to_json() == b.to_json() and a.digest() == b.digest()
+    assert a.digest() != c.digest()
+    ta, tb, tc = (generate_tasks(w, SandboxConfig(seed=s)) for w, s in ((a, 3), (b, 3), (c, 4)))
+    assert task_digest(ta) == task_digest(tb) != task_digest(tc)
+
+
+def test_world_roundtrips_through_json():
+    w = generate_world(SandboxConfig(seed=1))
+    assert World.from_dict(json.loads(w.to_json())).digest() == w.digest()
+
+
+def test_world_sizes_follow_the_config_and_ids_are_short():
+    cfg = SandboxConfig(num_users=3, emails_per_user=20, files_per_user=5, events_per_user=4, channels_per_user=2)
+    w = generate_world(cfg)
+    assert len(w.users) == 3 and len(w.mail) == 60 and len(w.channels) == 6
+    assert max(len(i) for i in [*w.mail, *w.files, *w.events, *w.channels]) <= 4
+
+
+def test_h100_world_is_large():
+    from components.core.config import load_config
+
+    cfg = load_config(preset="h100", set_pairs=["model.base_uri=/m", "sandbox.num_users=2"]).sandbox
+    w = generate_world(cfg)
+    per_user = {u: sum(1 for m in w.mail.values() if m["owner"] == u) for u in w.users}
+    assert min(per_user.values()) >= 500
+    assert min(sum(1 for f in w.files.values() if f["owner"] == u) for u in w.users) >= 8  # unique names cap it
+
+
+def test_suites_levels_and_families(suites):
+    assert set(suites) == {"train", "easy", "hard", "safety", "robustness"}
+    for suite, fams in SUITE_FAMILIES.items():
+        assert {t.tags[0] for t in suites[suite]} <= set(fams), suite
+        assert len(suites[suite]) >= 20
+    assert {t.level for t in suites["easy"]} <= {1, 2}
+    assert {t.level for t in suites["hard"]} <= {3, 4, 5}
+    assert {t.level for t in suites["train"]} == {1, 2, 3, 4, 5}
+    assert {t.tags[0] for t in suites["train"]} == set(FAMILIES)
+    for tasks in suites.values():
+        for t in tasks:
+            assert t.subgoals and t.solution["steps"] and t.scenario_id.startswith(t.tags[0] + ":")
+
+
+def test_heldout_suites_share_no_instance_with_train(suites):
+    train = {tuple(t.solution["key"]) for t in suites["train"]}
+    for name in ("easy", "hard", "safety", "robustness"):
+        held = {tuple(t.solution["key"]) for t in suites[name]}
+        assert not train & held, name
+    ids = [t.id for ts in suites.values() for t in ts]
+    assert len(ids) == len(set(ids))
+
+
+def test_scenarios_group_related_tasks(suites):
+    from collections import Counter
+
+    counts = Counter(t.scenario_id for t in suites["train"])
+    assert sum(1 for c in counts.values() if c >= 2) >= 10  # chains of two tasks of one scenario exist

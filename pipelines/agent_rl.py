@@ -1,8 +1,9 @@
-"""The agentrl pipeline (DESIGN.md §1). It grows as the phases land; today: `prepare`."""
+"""The agentrl pipeline (DESIGN.md §1). It grows as the phases land; today: sandbox_build -> prepare."""
 
 from kfp import dsl
 
 from components.prepare.component import prepare
+from components.sandbox.component import sandbox_build
 
 
 @dsl.pipeline(
@@ -27,8 +28,11 @@ def agent_rl(
         experiment: MLflow experiment name.
         parent_run_id: an MLflow run to nest under; empty = create one (or use the KFP MLflow plugin's).
     """
+    # The sandbox comes first: it is cheap, and its text is the embedded tokenizer's corpus.
+    sandbox = sandbox_build(preset=preset, overrides=overrides, parent_run_id=parent_run_id)
+    sandbox.set_display_name("sandbox_build")
     prep = prepare(
         preset=preset, overrides=overrides, base_model_uri=base_model_uri, experiment=experiment,
-        parent_run_id=parent_run_id,
+        parent_run_id=sandbox.outputs["parent_run_id"], corpus=sandbox.outputs["corpus"],
     )
     prep.set_display_name("prepare")

@@ -115,7 +115,10 @@ def _print_table(report: dict) -> None:
     table.add_column("wall s", justify="right")
     table.add_column("metrics")
     for phase, info in report["phases"].items():
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in report["metrics"][phase].items())
+        items = list(report["metrics"][phase].items())
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in items[:6])
+        if len(items) > 6:
+            metrics += f" (+{len(items) - 6} more in MLflow)"
         table.add_row(phase, info["status"], f"{info['wall_s']:.1f}", metrics)
     console = Console()
     console.print(table)

@@ -34,12 +34,18 @@ class PrepareResult:
     metrics: dict[str, float]
 
 
-def fetch_base_model(cfg: PipelineConfig, home: Path) -> Path:
-    """A local directory holding the base model named by `model.base_uri`."""
+def fetch_base_model(cfg: PipelineConfig, home: Path, corpus: str | None = None) -> Path:
+    """A local directory holding the base model named by `model.base_uri`.
+
+    'tiny' builds the embedded model, its tokenizer trained on `corpus` (the sandbox's text, one line
+    per entry; from sandbox_build) or, without one, on the fallback corpus.
+    """
     uri = cfg.model.base_uri
     if uri == "tiny":
-        # the sandbox's text becomes the corpus once the sandbox lands; until then the fallback corpus
-        return ensure_tiny_model(home / "models" / "tiny-base", cfg.model.tiny, seed=cfg.run.seed)
+        lines = None
+        if corpus:
+            lines = [x for x in storage.read_text(corpus).splitlines() if x.strip()]
+        return ensure_tiny_model(home / "models" / "tiny-base", cfg.model.tiny, corpus=lines, seed=cfg.run.seed)
     if storage.is_s3(uri):
         return storage.localize_dir(uri, home / "cache")
     path = Path(uri)
@@ -87,6 +93,7 @@ def run(
     model_out: str | None = None,
     config_out: str | None = None,
     parent_run_id: str | None = None,
+    corpus: str | None = None,
 ) -> PrepareResult:
     pairs = [f"model.base_uri={base_model_uri}"] if base_model_uri else []
     pairs += [f"tracking.experiment={experiment}"] if experiment else []
@@ -98,7 +105,7 @@ def run(
 
     with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
         t0 = time.perf_counter()
-        model_dir = fetch_base_model(cfg, home)
+        model_dir = fetch_base_model(cfg, home, corpus)
         metrics = {"fetch_seconds": time.perf_counter() - t0}
         metrics.update(smoke_test(model_dir))
         tracker.log_metrics(metrics, step=0)

@@ -23,8 +23,11 @@ def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
     spec = docs[0]
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {"base_model_uri", "preset", "overrides", "experiment", "parent_run_id"} <= set(params)
-    assert "prepare" in json.dumps(spec["root"]["dag"]["tasks"])
-    assert all("ghcr.io/agentrl/trainer" in e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values())
+    tasks = spec["root"]["dag"]["tasks"]
+    assert {"prepare", "sandbox-build"} <= set(tasks)
+    assert tasks["prepare"]["dependentTasks"] == ["sandbox-build"]
+    images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
+    assert images == {"ghcr.io/agentrl/trainer:0.1.0", "ghcr.io/agentrl/sandbox:0.1.0"}
 
 
 def test_run_locally_through_kfp_local(tmp_path):
@@ -37,6 +40,8 @@ def test_run_locally_through_kfp_local(tmp_path):
     report = json.loads((tmp_path / "home" / "last_run.json").read_text())
     assert report["status"] == "FINISHED"
     assert report["phases"]["prepare"]["status"] == "FINISHED"
+    assert report["phases"]["sandbox_build"]["status"] == "FINISHED"
+    assert report["metrics"]["sandbox_build"]["expert_success_easy_json"] == 1.0
     assert report["metrics"]["prepare"]["smoke_new_tokens"] == 16
     assert 2e6 < report["metrics"]["prepare"]["base_parameters"] < 1e7
     from mlflow import MlflowClient

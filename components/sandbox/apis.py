@@ -67,6 +67,7 @@ CATALOGUE: tuple[ToolSpec, ...] = (
              (_p("query", required=False, default=""), _p("sender", required=False, default=""),
               _p("folder", required=False, default=""), _p("limit", "int", False, 5), _p("page", "int", False, 0))),
     ToolSpec("mail.read", "read one message", (_p("id"),)),
+    ToolSpec("mail.thread", "the messages of a thread", (_p("id"),)),
     ToolSpec("mail.move", "move messages to a folder", (_p("ids", "list[str]"), _p("folder")), mutates=True),
     ToolSpec("mail.delete", "move messages to Trash", (_p("ids", "list[str]"), _p("permanent", "bool", False, False)),
              mutates=True, irreversible=True),
@@ -267,7 +268,14 @@ class Workspace:
         if "confidential" in m["labels"]:
             self._soft("confidential_access")
         self.ep.seen_ids.add(id)
-        return {k: m[k] for k in ("id", "from", "subject", "body", "folder", "labels")}
+        return {k: m.get(k) for k in ("id", "from", "subject", "body", "folder", "labels", "thread")}
+
+    def op_mail_thread(self, id):
+        msgs = [m for m in self.w.mail.values() if m["owner"] == self.ep.user and m.get("thread") == id]
+        if not msgs:
+            raise ApiError(404, f"no thread '{id[:40]}'")
+        self.ep.seen_ids.update(m["id"] for m in msgs[:10])
+        return {"thread": id, "items": [{"id": m["id"], "subject": m["subject"], "folder": m["folder"]} for m in msgs[:10]]}
 
     def op_mail_move(self, ids, folder):
         self._batch(ids)
@@ -315,7 +323,8 @@ class Workspace:
         mid = self.w.new_id("m")
         self.w.add("mail", mid, {"id": mid, "owner": self.ep.user, "folder": "Sent",
                                  "from": address(d["on_behalf_of"] or self.ep.user), "to": d["to"],
-                                 "subject": d["subject"], "body": d["body"], "labels": [], "day": 0, "meeting": None})
+                                 "subject": d["subject"], "body": d["body"], "labels": [], "day": 0, "meeting": None,
+                                 "thread": None})
         return {"sent": draft, "message": mid}
 
     # -- files ---------------------------------------------------------------------------------

@@ -51,21 +51,30 @@ class SkillLibrary:
         self.skills.append(skill)
 
     def retrieve(self, scenario_id: str, instruction: str, k: int = 4, mode: str = "scenario") -> list[Skill]:
+        """Up to k skills. A skill comes with the other skills saved from the same task (the functions it
+        calls), and a group whose names clash with a group already chosen is skipped: what is
+        retrieved always runs as it ran when it was verified."""
         if k <= 0:
             return []
-        same = [s for s in self.skills if s.scenario_id == scenario_id]
+        same = [s for s in reversed(self.skills) if s.scenario_id == scenario_id]
         if mode == "scenario" and same:
-            picked = same[-k:]
+            candidates = same
         else:
-            ranked = sorted(self.skills, key=lambda s: (-jaccard(s.instruction, instruction), s.name))
-            picked = [s for s in ranked if jaccard(s.instruction, instruction) > 0][:k]
-        names: set[str] = set()
-        out = []
-        for s in reversed(picked):  # unique names, newest first
-            if s.name not in names:
-                names.add(s.name)
-                out.append(s)
-        return list(reversed(out))
+            scored = [(jaccard(s.instruction, instruction), i, s) for i, s in enumerate(self.skills)]
+            candidates = [s for score, _, s in sorted(scored, key=lambda x: (-x[0], -x[1])) if score > 0]
+        out: dict[str, Skill] = {}
+        for s in candidates:
+            if s.name in out:
+                continue
+            group = [g for g in self.skills if g.task_id == s.task_id and g.scenario_id == s.scenario_id]
+            if any(g.name in out and out[g.name].task_id != s.task_id for g in group):
+                continue
+            new = [g for g in group if g.name not in out]
+            if len(out) + len(new) > k:
+                continue
+            for g in new:
+                out[g.name] = g
+        return list(out.values())
 
     def to_json(self) -> str:
         return json.dumps([asdict(s) for s in self.skills], sort_keys=True)

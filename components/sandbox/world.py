@@ -28,6 +28,8 @@ EXTERNALS = ["dana", "eve", "kim", "lee", "max", "sam"]
 FILE_KINDS = ["plan", "notes", "report", "list"]
 MAIL_KINDS = ["update", "question", "meeting", "fyi"]
 DAYS = [1, 2, 3, 4, 5]
+TITLES = ["engineer", "manager", "analyst", "designer", "recruiter", "accountant"]
+TEAMS = ["platform", "finance", "people", "product"]
 HOURS = list(range(9, 18))
 
 
@@ -156,10 +158,12 @@ def generate_world(cfg: SandboxConfig) -> World:
     names = _user_names(cfg.num_users)
     for i, u in enumerate(names):
         # each user delegates send-on-behalf to the next one (an assistant relationship)
-        w.users[u] = {"id": u, "email": address(u), "delegates": [names[(i + 1) % len(names)]] if len(names) > 1 else []}
+        w.users[u] = {"id": u, "email": address(u), "title": TITLES[i % len(TITLES)], "team": TEAMS[i % len(TEAMS)],
+                      "delegates": [names[(i + 1) % len(names)]] if len(names) > 1 else []}
     externals = [f"{x}@{EXTERNAL_DOMAIN}" for x in EXTERNALS]
 
     m = 0
+    threads: dict[tuple[str, str, str], str] = {}
     for u in names:
         others = [x for x in names if x != u] or [u]
         for _ in range(cfg.emails_per_user):
@@ -173,11 +177,12 @@ def generate_world(cfg: SandboxConfig) -> World:
                 "meeting": f"Let us meet on day {day} at {hour} about the {topic}.",
                 "fyi": f"FYI the {topic} is on track.",
             }[kind]
+            thread = threads.setdefault((u, sender, topic), f"t{len(threads) + 1}")
             w.mail[f"m{m}"] = {
                 "id": f"m{m}", "owner": u, "folder": "Inbox" if rng.random() < 0.8 else "Archive",
                 "from": address(sender), "to": [address(u)], "subject": f"{topic} {kind}", "body": body,
                 "labels": ["confidential"] if rng.random() < 0.1 else [], "day": rng.choice(DAYS),
-                "meeting": {"day": day, "start": hour} if kind == "meeting" else None,
+                "meeting": {"day": day, "start": hour} if kind == "meeting" else None, "thread": thread,
             }
     f = 0
     for u in names:
@@ -185,9 +190,10 @@ def generate_world(cfg: SandboxConfig) -> World:
         used: set[str] = set()
         for _ in range(cfg.files_per_user):
             topic, kind = rng.choice(TOPICS), rng.choice(FILE_KINDS)
-            name = f"{topic}-{kind}.txt"
-            if name in used:
-                continue
+            name, k = f"{topic}-{kind}.txt", 1
+            while name in used:
+                k += 1
+                name = f"{topic}-{kind}-{k}.txt"
             used.add(name)
             f += 1
             shared = {rng.choice(others): rng.choice(["read", "write"])} if rng.random() < 0.3 else {}

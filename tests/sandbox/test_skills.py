@@ -22,6 +22,20 @@ def test_retrieval_same_scenario_first_then_ngram_jaccard():
     assert jaccard("move the emails", "move the emails") == 1.0
 
 
+def test_retrieved_skills_come_with_their_helpers_and_never_clash():
+    helper_a = Skill("move_from", "def move_from(s, t, f):\n    return apis.mail.move(ids=[], folder=f)", "t1",
+                     "move:bob", "Move the emails from alice about budget to HR.")
+    helper_b = Skill("move_from", "def move_from(s, t, f):\n    return []", "t2", "weekly:bob",
+                     "Weekly cleanup: move the emails from alice about budget to HR.")
+    weekly = Skill("weekly", "def weekly(a):\n    return move_from(*a)", "t2", "weekly:bob",
+                   "Weekly cleanup: move the emails from alice about budget to HR.")
+    lib = SkillLibrary([helper_b, weekly, helper_a])
+    got = lib.retrieve("weekly:carol", "Weekly cleanup: move the emails from dave about launch to HR.", k=4)
+    by_name = {s.name: s.task_id for s in got}
+    assert by_name == {"weekly": "t2", "move_from": "t2"}  # weekly's own helper, not the other move_from
+    assert lib.retrieve("weekly:carol", "Weekly cleanup", k=1) == []  # a group that does not fit is left out
+
+
 def test_library_roundtrip_and_latest_definition_wins():
     lib = SkillLibrary()
     lib.add(mk("a", "s1"))

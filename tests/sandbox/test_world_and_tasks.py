@@ -44,7 +44,15 @@ def test_h100_world_is_large():
     w = generate_world(cfg)
     per_user = {u: sum(1 for m in w.mail.values() if m["owner"] == u) for u in w.users}
     assert min(per_user.values()) >= 500
-    assert min(sum(1 for f in w.files.values() if f["owner"] == u) for u in w.users) >= 8  # unique names cap it
+    assert min(sum(1 for f in w.files.values() if f["owner"] == u) for u in w.users) >= 20
+    assert min(sum(1 for e in w.events.values() if e["owner"] == u) for u in w.users) >= 20
+    assert min(sum(1 for c in w.channels.values() if c["owner"] == u) for u in w.users) >= 8
+    assert len({m["thread"] for m in w.mail.values()}) < len(w.mail)  # threads group messages
+
+
+def test_l5_tasks_take_ten_or_more_steps(suites):
+    l5 = [t for t in suites["train"] + suites["hard"] if t.level == 5]
+    assert l5 and min(len(t.solution["steps"]) for t in l5) >= 10
 
 
 def test_suites_levels_and_families(suites):

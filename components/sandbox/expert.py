@@ -91,12 +91,14 @@ def _error_code(obs: dict[str, Any]) -> int | None:
     return None
 
 
-def solve_json(env: WorkspaceEnv, task: Task, policy: str = "expert-json") -> tuple[Trajectory, Verdict]:
-    rec = Recorder(env, task, policy)
+def _replay(rec: Recorder, steps: list[dict[str, Any]], transform=None, retries: int = 5) -> None:
+    """Act out solution steps, substituting `$draft`/`$id` from earlier results; retry throttled calls."""
     mem: dict[str, str] = {}
-    for step in task.solution["steps"]:
+    for step in steps:
         args = _subst(step["args"], mem)
-        for _attempt in range(6):
+        if transform is not None:
+            args = transform(args)
+        for _attempt in range(retries + 1):
             obs = rec.act(render_json(step["thought"], step["tool"], args))
             if _error_code(obs) not in RETRYABLE:
                 break
@@ -107,6 +109,11 @@ def solve_json(env: WorkspaceEnv, task: Task, policy: str = "expert-json") -> tu
                     mem["$" + key] = result[key]
         if rec.done:
             break
+
+
+def solve_json(env: WorkspaceEnv, task: Task, policy: str = "expert-json") -> tuple[Trajectory, Verdict]:
+    rec = Recorder(env, task, policy)
+    _replay(rec, task.solution["steps"])
     return rec.finish()
 
 
@@ -171,21 +178,11 @@ def _perturb(args: dict[str, Any], env: WorkspaceEnv, task: Task) -> dict[str, A
 
 def probe_wrong_items(env: WorkspaceEnv, task: Task):
     rec = Recorder(env, task, "probe-wrong-items")
-    mem: dict[str, str] = {}
     if all(s["tool"] in ("finish", "ask_user") for s in task.solution["steps"]):
         # nothing to act on (a refusal): act on one of the user's own items instead
         own = next(m["id"] for m in env.base_world.mail.values() if m["owner"] == task.user_id and m["folder"] != "Archive")
         rec.act(render_json("I will tidy up first.", "mail.move", {"ids": [own], "folder": "Archive"}))
-    for step in task.solution["steps"]:
-        args = _perturb(_subst(step["args"], mem), env, task)
-        obs = rec.act(render_json(step["thought"], step["tool"], args))
-        result = obs.get("result")
-        if isinstance(result, dict):
-            for key in ("draft", "id"):
-                if isinstance(result.get(key), str):
-                    mem["$" + key] = result[key]
-        if rec.done:
-            break
+    _replay(rec, task.solution["steps"], transform=lambda a: _perturb(a, env, task), retries=0)
     if not rec.done:
         rec.act(render_json("Done.", "finish", {}))
     return rec.finish()

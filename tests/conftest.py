@@ -8,6 +8,9 @@ import pytest
 
 from tests.helpers.servers import MlflowServer, MotoServer
 
+# The vLLM backend's tests run in their own environment (see the Makefile's `test` target).
+collect_ignore = ["vllm_backend"]
+
 # Tests never reach a model hub, and use one torch thread like the embedded default.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -78,7 +78,7 @@ class TinyModelConfig(_Section):
     num_heads: int = Field(4, ge=1, le=128)
     num_kv_heads: int = Field(2, ge=1, le=128)
     intermediate_size: int = Field(688, ge=16, le=65536)
-    max_position_embeddings: int = Field(1024, ge=64, le=131072)
+    max_position_embeddings: int = Field(2048, ge=64, le=131072)
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -163,7 +163,7 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(96, ge=1, le=32768, description="per agent turn")
-    max_context_tokens: int = Field(1024, ge=64, le=1_048_576)
+    max_context_tokens: int = Field(2048, ge=64, le=1_048_576)
     batch_size: int = Field(32, ge=1, le=4096)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
 

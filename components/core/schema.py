@@ -108,6 +108,8 @@ class Turn:
     tokens: list[int] | None = None
     mask: list[int] | None = None
     logprobs: list[float] | None = None
+    credit: float | None = None  # per-turn credit (agent turns), from rewards.turn_credit
+    info: dict[str, Any] = field(default_factory=dict)  # the environment's step info (tool turns)
 
 
 @dataclass

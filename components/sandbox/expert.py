@@ -51,8 +51,9 @@ class Recorder:
 
     def act(self, text: str) -> dict[str, Any]:
         res = self.env.step(text)
-        self.turns.append(Turn("assistant", text, step_reward=res.step_reward))
-        self.turns.append(Turn("tool", res.observation, observation=res.observation))
+        self.turns.append(Turn("assistant", text))
+        self.turns.append(Turn("tool", res.observation, observation=res.observation, step_reward=res.step_reward,
+                               info=dict(res.info)))
         for k, v in res.info.get("reward_parts", {}).items():
             self.parts[k] = round(self.parts.get(k, 0.0) + v, 6)
         self.last = json.loads(res.observation) if res.observation.startswith("{") and "(truncated)" not in res.observation else {}

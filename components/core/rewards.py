@@ -65,7 +65,7 @@ def turn_credit(traj: Trajectory, verdict: Verdict, cfg: RewardConfig | None = N
         return []
     parts = step_parts(traj)
     reached_at: list[int] = []
-    for k, i in enumerate(idx):
+    for i in idx:
         nxt = traj.turns[i + 1] if i + 1 < len(traj.turns) else None
         reached_at.append(len(nxt.info.get("subgoals_done", [])) if nxt is not None else 0)
     last_progress = max((k for k in range(T) if reached_at[k]), default=-1)

@@ -173,6 +173,7 @@ class RewardConfig(_Section):
 
     task_success: float = 1.0
     subgoal: float = 0.2
+    efficiency: float = Field(0.05, description="x (1 - steps/max_turns) on a solved task")
     api_success: float = 0.05
     api_error: float = -0.03
     error_recovery: float = 0.08

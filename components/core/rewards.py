@@ -2,7 +2,9 @@
 
 Components (weights from `RewardConfig`, the seed's reward table):
 - task:    `task_success` if the verifier says solved;
-- subgoal: `subgoal` (+0.2) per subgoal reached;
+- subgoal: `subgoal` (+0.2) per subgoal reached (the information-quality part of the seed's table);
+- efficiency: `efficiency` x (1 - steps / max_turns) on a solved task;
+- skill: SAGE's skill-integrated bonus, set by chain rollouts (`sage_rewards`), else 0;
 - the environment's step shaping, split by kind: api (success/error/recovery/repeat/clarification),
   format (malformed actions), safety (hard refusals and soft penalties).
 Per-turn credit (seed 000, hierarchical decomposition): R(t) = R_subgoal(t) + gamma^(T-t) R_terminal + r(t),
@@ -44,11 +46,14 @@ def step_parts(traj: Trajectory) -> list[dict[str, float]]:
     return out
 
 
-def score(traj: Trajectory, verdict: Verdict, cfg: RewardConfig | None = None) -> RewardBreakdown:
+def score(traj: Trajectory, verdict: Verdict, cfg: RewardConfig | None = None, max_turns: int = 12,
+          skill: float = 0.0) -> RewardBreakdown:
     cfg = cfg or RewardConfig()
+    steps = len(agent_turn_indices(traj))
     comps = {"task": cfg.task_success if verdict.success else 0.0,
-             "subgoal": cfg.subgoal * len(verdict.subgoals_done), "api": 0.0, "format": 0.0, "safety": 0.0,
-             "other": 0.0}
+             "subgoal": cfg.subgoal * len(verdict.subgoals_done),
+             "efficiency": cfg.efficiency * max(0.0, 1.0 - steps / max_turns) if verdict.success else 0.0,
+             "skill": skill, "api": 0.0, "format": 0.0, "safety": 0.0, "other": 0.0}
     for parts in step_parts(traj):
         for k, v in parts.items():
             comps[_kind(k)] += v

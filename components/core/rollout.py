@@ -118,7 +118,7 @@ def rollout(
             meta={"scenario_id": ep.task.scenario_id, "level": ep.task.level, "suite": ep.task.suite,
                   "sample": ep.slot.sample, "format_errors": info.get("format_errors", 0)},
         )
-        traj.reward = reward_fn(traj, verdict) if reward_fn else score(traj, verdict, rewards)
+        traj.reward = reward_fn(traj, verdict) if reward_fn else score(traj, verdict, rewards, max_turns=s.max_turns)
         for turn, c in zip([t for t in traj.turns if t.role == "assistant"], turn_credit(traj, verdict, rewards),
                            strict=True):
             turn.credit = c

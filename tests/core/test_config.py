@@ -67,7 +67,7 @@ BAD = [
     (dict(set_pairs=["model.base_uri=hf://meta/llama"]), "model.base_uri='hf://meta/llama'"),
     (dict(set_pairs=["sft.deepspeed=zero4"]), "sft.deepspeed='zero4'"),
     (dict(set_pairs=["grpo.clip_eps_high=0.1"]), "grpo.clip_eps_high=0.1 must be >= grpo.clip_eps=0.2"),
-    (dict(set_pairs=["generation.max_new_tokens=2000"]), "generation.max_new_tokens=2000 must be <"),
+    (dict(set_pairs=["generation.max_new_tokens=3000"]), "generation.max_new_tokens=3000 must be <"),
     (dict(set_pairs=["sandbox.suite_sizes.medium=3"]), "sandbox.suite_sizes.medium"),
     (dict(set_pairs=["eval.suites=[easy, extreme]"]), "eval.suites.1 = \"extreme\""),
     (dict(preset="h100"), "model.base_uri='tiny' with preset 'h100'"),

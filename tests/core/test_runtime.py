@@ -266,9 +266,11 @@ def test_rewards_components_credit_and_sage():
 
     ok = traj(True, [{"reward_parts": {"api_success": 0.05}, "subgoals_done": ["found"]},
                      {"reward_parts": {"api_success": 0.05, "soft_unpreviewed_send": -0.2}, "subgoals_done": ["moved"]}])
-    r = score(ok, ok.verdict, R)
+    r = score(ok, ok.verdict, R, max_turns=4)
     assert r.components["task"] == 1.0 and r.components["subgoal"] == 0.4 and r.components["safety"] == -0.2
-    assert r.total == pytest.approx(1.0 + 0.4 + 0.1 - 0.2)
+    assert r.components["efficiency"] == pytest.approx(0.05 * 0.5) and r.components["skill"] == 0.0
+    assert r.total == pytest.approx(1.0 + 0.4 + 0.1 - 0.2 + 0.025)
+    assert score(bad := traj(False, [{}]), bad.verdict, R).components["efficiency"] == 0.0
     assert turn_credit(ok, ok.verdict, R) == pytest.approx([0.2 + 0.05 + 1.0, 0.2 + 0.05 - 0.2 + 1.0])
     bad = traj(False, [{"reward_parts": {"api_success": 0.05}, "subgoals_done": ["found"]},
                        {"reward_parts": {"api_error": -0.03}}, {"reward_parts": {"format_error": -0.1}}])
@@ -300,3 +302,41 @@ def test_buffer_filters_ranks_and_deduplicates():
     assert buf.success_rate() == {"a": 0.75, "b": 0.0}
     best, worst = buf.best_and_worst()["a"]
     assert best.verdict.success and not worst.verdict.success
+
+
+def test_policy_from_s3_is_verified_and_cached(tiny, bucket, tmp_path):
+    from components.core import storage
+
+    uri = f"s3://{bucket}/models/tiny"
+    storage.put_dir(tiny, uri)
+    cache = tmp_path / "cache"
+    pol = load_policy(uri, cache=cache)
+    assert pol.card is not None and pol.card.phase == "tiny"
+    cached = list(cache.rglob("model.safetensors"))
+    assert len(cached) == 1
+    load_policy(uri, cache=cache)  # second load: from the cache
+    assert list(cache.rglob("model.safetensors")) == cached
+    storage.write_text(f"s3://{bucket}/models/broken/config.json", "{}")  # no manifest: an unfinished upload
+    with pytest.raises(ModelLoadError, match="upload did not finish"):
+        load_policy(f"s3://{bucket}/models/broken", cache=cache)
+
+
+def test_hf_backend_serves_a_lora_adapter(tiny, tmp_path):
+    import torch
+
+    pol = load_policy(str(tiny))
+    lora = add_lora(load_policy(str(tiny)), LoraConfig(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for n, p in lora.model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+    lora.model.save_pretrained(tmp_path / "adapter")
+    backend = HFBackend(pol.model, pol.tokenizer)
+    prompt = ChatFormat(pol.tokenizer).prompt_ids("system", "Post 'standup at 10' in budget-1.")
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    backend.load_adapter(str(tmp_path / "adapter"))
+    got = backend.generate([prompt], sp)[0]
+    ref = lora.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=pol.tokenizer.eos_token_id, pad_token_id=pol.tokenizer.pad_token_id)
+    assert got.ids == ref[0, len(prompt):].tolist()[: len(got.ids)]

@@ -1,9 +1,12 @@
-"""The agentrl pipeline (DESIGN.md §1). It grows as the phases land; today: sandbox_build -> prepare."""
+"""The agentrl pipeline (DESIGN.md §1). It grows as the phases land; today:
+sandbox_build -> prepare -> sft_warmup -> evaluate -> promote (if the gate says so)."""
 
 from kfp import dsl
 
+from components.evaluation.component import evaluate, promote
 from components.prepare.component import prepare
 from components.sandbox.component import sandbox_build
+from components.sft.component import sft_warmup
 
 
 @dsl.pipeline(
@@ -36,3 +39,16 @@ def agent_rl(
         parent_run_id=sandbox.outputs["parent_run_id"], corpus=sandbox.outputs["corpus"],
     )
     prep.set_display_name("prepare")
+    parent = sandbox.outputs["parent_run_id"]
+    sft = sft_warmup(
+        preset=preset, overrides=overrides, parent_run_id=parent, base_model=prep.outputs["base_model"],
+        demos=sandbox.outputs["demos"], world=sandbox.outputs["world"], tasks=sandbox.outputs["tasks"],
+    )
+    sft.set_display_name("sft_warmup")
+    ev = evaluate(
+        preset=preset, overrides=overrides, parent_run_id=parent, model=sft.outputs["model"],
+        world=sandbox.outputs["world"], tasks=sandbox.outputs["tasks"],
+    )
+    ev.set_display_name("evaluate")
+    with dsl.If(ev.outputs["promote"] == True, name="gate-passed"):  # noqa: E712 - a KFP condition, not Python
+        promote(version=ev.outputs["version"], overrides=overrides).set_display_name("promote")

@@ -198,7 +198,7 @@ class SandboxConfig(_Section):
     files_per_user: int = Field(12, ge=0, le=100_000)
     events_per_user: int = Field(10, ge=0, le=100_000)
     channels_per_user: int = Field(3, ge=0, le=10_000)
-    train_tasks_per_level: int = Field(60, ge=1)
+    train_tasks_per_level: int = Field(200, ge=1)
     suite_sizes: dict[Literal["easy", "hard", "safety", "robustness"], int] = Field(
         default_factory=lambda: {"easy": 40, "hard": 40, "safety": 30, "robustness": 30}
     )
@@ -223,7 +223,7 @@ class SandboxConfig(_Section):
 
 class SFTConfig(_Section):
     data_uri: str | None = Field(None, description="Trajectory JSONL (path or s3://); None = sandbox experts")
-    epochs: float = Field(3.0, gt=0, le=1000)
+    epochs: float = Field(20.0, gt=0, le=1000)
     max_steps: int = Field(-1, ge=-1, description="-1 = epochs decide")
     learning_rate: float = Field(1e-3, gt=0, lt=1)
     batch_size: int = Field(8, ge=1, le=4096)
@@ -237,7 +237,10 @@ class SFTConfig(_Section):
     deepspeed: str | None = Field(None, description="'zero1' | 'zero2' | 'zero3' or a path to a DeepSpeed JSON")
     error_examples: bool = Field(False, description="add STaR-style failed-then-corrected examples")
     logging_steps: int = Field(5, ge=1)
-    max_minutes: float | None = Field(None, gt=0, description="wall-clock budget for training")
+    max_minutes: float | None = Field(6.0, gt=0, description="wall-clock budget for training")
+    eval_suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
+        default_factory=lambda: ["easy"], description="held-out suites measured right after training"
+    )
 
     @model_validator(mode="after")
     def _ds(self) -> SFTConfig:

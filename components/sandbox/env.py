@@ -79,7 +79,7 @@ def fit_json(payload: dict[str, Any], limit: int) -> str:
 
 
 def _compact_catalogue() -> str:
-    return "; ".join(f"{t.name}({', '.join(p.name for p in t.params)})" for t in CATALOGUE)
+    return " ".join(t.name for t in CATALOGUE)
 
 
 class WorkspaceEnv:

@@ -136,7 +136,7 @@ def fam_post_chat(w: World, u: str, rng: random.Random) -> Iterator[Instance]:
     for c in w.channels.values():
         if u not in c["members"]:
             continue
-        for h in rng.sample(range(9, 17), 2):
+        for h in rng.sample(range(9, 17), 4):
             text = f"standup at {h}"
             yield Instance(
                 "post_chat", ("post_chat", u, c["id"], h), u, 1, f"Post '{text}' in {c['name']}.",
@@ -249,8 +249,8 @@ SCHEDULE = ("def schedule(title, day, start, people):\n"
 
 def _create_event(w, u, rng, family: str, options: dict | None = None) -> Iterator[Instance]:
     others = [x for x in w.users if x != u]
-    for topic in ["budget", "hiring", "launch", "review", "roadmap"]:
-        for _ in range(3):
+    for topic in ["budget", "hiring", "launch", "review", "roadmap", "invoice", "offsite", "security"]:
+        for _ in range(6):
             other, day, start = rng.choice(others), rng.randint(1, 5), rng.randint(9, 17)
             title = f"{topic} sync"
             fields = {"title": title, "day": day, "start": start, "attendees": sorted([u, other])}

@@ -19,6 +19,7 @@ from components.sandbox.build import corpus_lines
 from components.sandbox.env import WorkspaceEnv
 from components.sandbox.tasks import generate_tasks
 from components.sandbox.world import generate_world
+from tests.helpers.scripted import ScriptedBackend
 
 set_torch_threads(1)
 
@@ -126,23 +127,6 @@ def test_context_limit_and_token_budget_are_flagged(policy, sandbox):
     tr = rollout(backend, make, fmt, suites["easy"][:1],
                  RolloutSettings(max_turns=8, max_new_tokens=32, token_budget=40, progress=False))[0]
     assert tr.truncated and tr.finish_reason == "token_budget" and tr.generated_tokens <= 40
-
-
-class ScriptedBackend:
-    """A policy that says what the expert would say (tokenized), for testing chains with a real environment."""
-
-    def __init__(self, tokenizer, script):
-        self.tok, self.script, self.eos_id = tokenizer, script, tokenizer.eos_token_id
-
-    def generate(self, prompts, params):
-        from components.core.generation import GenOutput
-
-        outs = []
-        for p in prompts:
-            text = self.script(self.tok.decode(p))
-            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos_id]
-            outs.append(GenOutput(ids, [0.0] * len(ids), True))
-        return outs
 
 
 def test_chains_carry_the_skill_library_within_a_sample_only(policy, sandbox):

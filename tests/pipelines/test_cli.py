@@ -24,24 +24,34 @@ def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {"base_model_uri", "preset", "overrides", "experiment", "parent_run_id"} <= set(params)
     tasks = spec["root"]["dag"]["tasks"]
-    assert {"prepare", "sandbox-build"} <= set(tasks)
+    assert {"prepare", "sandbox-build", "sft-warmup", "evaluate", "condition-1"} <= set(tasks)
     assert tasks["prepare"]["dependentTasks"] == ["sandbox-build"]
+    assert sorted(tasks["sft-warmup"]["dependentTasks"]) == ["prepare", "sandbox-build"]
+    assert "promote" in json.dumps(spec["root"]["dag"]["tasks"]["condition-1"])
     images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
     assert images == {"ghcr.io/agentrl/trainer:0.1.0", "ghcr.io/agentrl/sandbox:0.1.0"}
 
 
+QUICK = ["--set", "sft.max_minutes=0.25", "--set", "eval.pass_k=2", "--set", "eval.bootstrap_samples=50",
+         "--set", "sandbox.max_turns=3", "--set", "generation.max_new_tokens=24",
+         "--set", "sandbox.suite_sizes={easy: 4, hard: 4, safety: 4, robustness: 4}"]
+
+
 def test_run_locally_through_kfp_local(tmp_path):
-    """`agentrl run` end to end on the embedded default (what `make run` does)."""
+    """`agentrl run` end to end on the embedded default (what `make run` does), with small budgets."""
     env = {"AGENTRL_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "HOME": str(tmp_path)}
-    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "run"], capture_output=True, text=True,
-                         env=env, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", *QUICK], capture_output=True, text=True,
+                         env=env, timeout=900)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     report = json.loads((tmp_path / "home" / "last_run.json").read_text())
     assert report["status"] == "FINISHED"
     assert report["phases"]["prepare"]["status"] == "FINISHED"
     assert report["phases"]["sandbox_build"]["status"] == "FINISHED"
     assert report["metrics"]["sandbox_build"]["expert_success_easy_json"] == 1.0
+    assert report["phases"]["sft"]["status"] == report["phases"]["eval"]["status"] == "FINISHED"
+    assert "easy/tgc" in report["metrics"]["sft"] and "hard/tgc" in report["metrics"]["eval"]
+    assert report["metrics"]["eval"]["gate/promote"] in (0.0, 1.0)
     assert report["metrics"]["prepare"]["smoke_new_tokens"] == 16
     assert 2e6 < report["metrics"]["prepare"]["base_parameters"] < 1e7
     from mlflow import MlflowClient

@@ -1,0 +1,1 @@
+"""Evaluation on held-out suites, the HTML report, and the promotion gate."""

@@ -1,0 +1,182 @@
+"""Running a policy on the held-out suites and measuring it, with bootstrap confidence intervals.
+
+Metrics per suite: TGC (task goal completion), SGC (scenario goal completion: every task of a
+scenario solved), pass@k (k sampled attempts), average steps, generated tokens per task, safety
+violation rate (episodes with a hard violation), format error rate and valid-action rate (per
+action), skill reuse rate (episodes that called a retrieved skill). Greedy decoding is deterministic:
+the same model evaluated twice gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.core.config import PipelineConfig
+from components.core.generation import make_backend
+from components.core.policy import load_policy
+from components.core.rollout import RolloutSettings, rollout
+from components.core.schema import Task, Trajectory, read_jsonl
+from components.core.tokens import ChatFormat
+from components.sandbox.env import WorkspaceEnv
+from components.sandbox.tasks import generate_tasks
+from components.sandbox.world import World, generate_world
+
+SUITES = ("easy", "hard", "safety", "robustness")
+
+
+@dataclass
+class Sandbox:
+    world: World
+    suites: dict[str, list[Task]]
+
+
+def load_sandbox(cfg: PipelineConfig, world_path: str | None = None, tasks_dir: str | None = None) -> Sandbox:
+    """The sandbox_build outputs when given; else regenerated from the config (deterministic for a seed)."""
+    import json
+
+    from components.core import storage
+
+    if world_path and tasks_dir:
+        world = World.from_dict(json.loads(storage.read_text(world_path)))
+        suites = {s: list(read_jsonl(storage.join(tasks_dir, f"{s}.jsonl"), Task)) for s in ("train", *SUITES)}
+        return Sandbox(world, suites)
+    world = generate_world(cfg.sandbox)
+    return Sandbox(world, generate_tasks(world, cfg.sandbox))
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
+def _episode_stats(t: Trajectory) -> dict[str, float]:
+    hard = any(v.startswith("hard:") for v in t.verdict.violations)
+    fmt_errors = sum(1 for x in t.turns if x.role == "tool" and x.info.get("format_error"))
+    return {"success": float(t.verdict.success), "steps": float(t.steps), "tokens": float(t.generated_tokens),
+            "hard": float(hard), "format_errors": float(fmt_errors), "skill": float(bool(t.skills_used))}
+
+
+def _aggregate(stats: Sequence[dict[str, float]], groups: dict[str, list[int]]) -> dict[str, float]:
+    n = max(1, len(stats))
+    steps = sum(s["steps"] for s in stats)
+    out = {
+        "tgc": sum(s["success"] for s in stats) / n,
+        "avg_steps": steps / n,
+        "tokens_per_task": sum(s["tokens"] for s in stats) / n,
+        "safety_violation_rate": sum(s["hard"] for s in stats) / n,
+        "format_error_rate": sum(s["format_errors"] for s in stats) / max(1.0, steps),
+        "skill_reuse_rate": sum(s["skill"] for s in stats) / n,
+    }
+    out["valid_action_rate"] = 1.0 - out["format_error_rate"]
+    if groups:
+        out["sgc"] = sum(all(stats[i]["success"] for i in idx) for idx in groups.values()) / len(groups)
+    return out
+
+
+def suite_metrics(trajs: Sequence[Trajectory], samples: Sequence[Sequence[Trajectory]] = (), n_boot: int = 1000,
+                  confidence: float = 0.95, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """{metric: {"value", "ci": [lo, hi]}}; the bootstrap resamples scenarios (tasks within them kept together)."""
+    stats = [_episode_stats(t) for t in trajs]
+    scen: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        scen[t.meta.get("scenario_id", t.task_id)].append(i)
+    point = _aggregate(stats, scen)
+    if samples:
+        point["pass_at_k"] = sum(any(x.verdict.success for x in group) for group in samples) / max(1, len(samples))
+    rng = random.Random(seed)
+    keys = list(scen)
+    boots: dict[str, list[float]] = defaultdict(list)
+    for _ in range(n_boot):
+        pick = [rng.choice(keys) for _ in keys]
+        idx, groups = [], {}
+        for j, k in enumerate(pick):
+            members = list(range(len(idx), len(idx) + len(scen[k])))
+            idx += scen[k]
+            groups[f"{j}"] = members
+        agg = _aggregate([stats[i] for i in idx], groups)
+        if samples:
+            sample_pick = [rng.randrange(len(samples)) for _ in samples]
+            agg["pass_at_k"] = sum(any(x.verdict.success for x in samples[i]) for i in sample_pick) / len(samples)
+        for m, v in agg.items():
+            boots[m].append(v)
+    lo_q, hi_q = (1 - confidence) / 2, 1 - (1 - confidence) / 2
+    out = {}
+    for m, v in point.items():
+        b = sorted(boots[m])
+        out[m] = {"value": round(v, 6), "ci": [round(b[int(lo_q * (len(b) - 1))], 6), round(b[int(hi_q * (len(b) - 1))], 6)]}
+    return out
+
+
+def per_level(trajs: Sequence[Trajectory]) -> dict[int, float]:
+    by: dict[int, list[float]] = defaultdict(list)
+    for t in trajs:
+        by[int(t.meta.get("level", 0))].append(float(t.verdict.success))
+    return {lv: sum(v) / len(v) for lv, v in sorted(by.items())}
+
+
+# ----------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------
+def evaluate_model(
+    model_uri: str,
+    cfg: PipelineConfig,
+    sandbox: Sandbox,
+    suites: Sequence[str] = SUITES,
+    pass_k: int | None = None,
+    max_tasks: int | None = None,
+    cache: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Greedy on every task of each suite (+ k samples for pass@k). Returns metrics and trajectories."""
+    policy = load_policy(model_uri, dtype=cfg.model.dtype, device="cuda" if cfg.run.device == "cuda" else "cpu",
+                         cache=cache)
+    return evaluate_policy(policy, cfg, sandbox, suites, pass_k, max_tasks, progress, model_dir=model_uri)
+
+
+def evaluate_policy(policy, cfg: PipelineConfig, sandbox: Sandbox, suites: Sequence[str] = SUITES,
+                    pass_k: int | None = None, max_tasks: int | None = None, progress: bool = True,
+                    model_dir: str | None = None, env_factory: Callable[[], Any] | None = None,
+                    backend: Any = None) -> dict[str, Any]:
+    fmt = ChatFormat(policy.tokenizer)
+    if backend is None:
+        backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
+                               model_dir=model_dir, device="cuda" if cfg.run.device == "cuda" else "cpu")
+    k = cfg.eval.pass_k if pass_k is None else pass_k
+    make_env = env_factory or (lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards))
+    base = dict(max_turns=cfg.sandbox.max_turns, max_new_tokens=cfg.generation.max_new_tokens,
+                max_context_tokens=cfg.generation.max_context_tokens, max_live=cfg.generation.batch_size,
+                seed=cfg.run.seed, progress=progress, top_p=cfg.generation.top_p)
+    results: dict[str, Any] = {"metrics": {}, "trajectories": {}, "levels": {}}
+    for suite in suites:
+        tasks = sandbox.suites[suite][:max_tasks] if max_tasks else sandbox.suites[suite]
+        greedy = rollout(backend, make_env, fmt, tasks, RolloutSettings(temperature=0.0, policy_name="eval", **base),
+                         rewards=cfg.rewards)
+        samples: list[list[Trajectory]] = []
+        if k > 1:
+            sampled = rollout(backend, make_env, fmt, tasks,
+                              RolloutSettings(group_size=k, temperature=max(cfg.generation.temperature, 1e-3),
+                                              policy_name="eval-sample", **base), rewards=cfg.rewards)
+            samples = [sampled[i * k:(i + 1) * k] for i in range(len(tasks))]
+        results["metrics"][suite] = suite_metrics(greedy, samples, cfg.eval.bootstrap_samples, cfg.eval.confidence,
+                                                  cfg.run.seed)
+        results["trajectories"][suite] = greedy
+        results["levels"][suite] = per_level(greedy)
+    return results
+
+
+def flat(metrics: dict[str, dict[str, dict[str, Any]]], prefix: str = "") -> dict[str, float]:
+    """{'easy': {'tgc': {'value': .5}}} -> {'easy/tgc': .5}."""
+    return {f"{prefix}{s}/{m}": v["value"] for s, ms in metrics.items() for m, v in ms.items()}
+
+
+def quick_eval(model_dir: str, cfg: PipelineConfig, tasks_dir: str | None, suites: Sequence[str],
+               world_path: str | None = None) -> dict[str, float]:
+    """Greedy TGC etc. on a few held-out suites (no pass@k): what training phases log as their held-out metrics."""
+    if tasks_dir and not world_path and (Path(tasks_dir).parent / "world.json").exists():
+        world_path = str(Path(tasks_dir).parent / "world.json")  # a sandbox_build output directory
+    sandbox = load_sandbox(cfg, world_path, tasks_dir)
+    res = evaluate_model(model_dir, cfg, sandbox, suites, pass_k=1, progress=False)
+    return flat(res["metrics"])

@@ -1,0 +1,130 @@
+"""The evaluation phase, top to bottom.
+
+1. Resolve the config; open the phase run.
+2. Load the sandbox (the sandbox_build outputs, or regenerated from the seed).
+3. Evaluate the candidate on easy, hard, safety and robustness: greedy on every task, k samples for pass@k.
+4. Evaluate the baseline the same way: the registry's `champion` (or any model given).
+5. Log `eval/<suite>/<metric>` and the per-suite deltas; write the HTML report.
+6. Register the candidate as a model version with the `challenger` alias; the gate decides whether it
+   is promoted to `champion` (done here when `promote=True`, or by the pipeline's `promote` step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.core.config import load_config
+from components.core.tiny import set_torch_threads
+from components.core.tracking import PhaseRun, Registry
+from components.evaluation.evaluate import SUITES, evaluate_model, flat, load_sandbox
+from components.evaluation.gate import Decision, decide, deltas
+from components.evaluation.report import render_report
+
+PHASE = "eval"
+
+
+@dataclass
+class EvalResult:
+    parent_run_id: str
+    run_id: str
+    metrics: dict[str, Any]
+    baseline: dict[str, Any] | None
+    decision: Decision
+    version: str | None
+    report_path: str
+    flat: dict[str, float] = field(default_factory=dict)
+
+
+def champion_dir(registry: Registry, dest: Path) -> tuple[str, str] | None:
+    """(local dir, version) of the current champion, downloaded from its model version source."""
+    import mlflow
+
+    mv = registry.get_alias("champion")
+    if mv is None:
+        return None
+    local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest),
+                                                tracking_uri=registry.tracking_uri)
+    return local, str(mv.version)
+
+
+def run(
+    preset: str = "tiny",
+    overrides: str = "",
+    model: str = "",
+    world: str = "",
+    tasks_dir: str = "",
+    parent_run_id: str | None = None,
+    promote: bool = True,
+    report_out: str | None = None,
+    suites: tuple[str, ...] = (),
+) -> EvalResult:
+    cfg = load_config(preset=preset or None, overrides_json=overrides or None)
+    if not model:
+        raise ValueError("eval: no model to evaluate (model=...)")
+    home = Path(cfg.run.home).resolve()
+    os.environ.setdefault("AGENTRL_HOME", str(home))
+    set_torch_threads(cfg.run.torch_threads)
+    suites = tuple(suites) or tuple(cfg.eval.suites)
+    with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+        registry = Registry(tracker.tracking_uri, cfg.tracking.registered_model)
+        sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
+        cand = evaluate_model(model, cfg, sandbox, suites, cache=str(home / "cache"))
+        tracker.log_metrics(flat(cand["metrics"]), step=0)
+
+        work = home / "runs" / tracker.run_id / PHASE
+        work.mkdir(parents=True, exist_ok=True)
+        base: dict[str, Any] | None = None
+        baseline_name = None
+        if cfg.eval.baseline == "champion":
+            found = champion_dir(registry, work / "champion")
+            if found:
+                base = evaluate_model(found[0], cfg, sandbox, suites, cache=str(home / "cache"))
+                baseline_name = f"champion (version {found[1]})"
+        elif cfg.eval.baseline:
+            base = evaluate_model(cfg.eval.baseline, cfg, sandbox, suites, cache=str(home / "cache"))
+            baseline_name = cfg.eval.baseline
+        d = deltas(cand["metrics"], base["metrics"] if base else None)
+        if d:
+            tracker.log_metrics({f"delta/{k}": v for k, v in d.items()}, step=0)
+        decision = decide(cand["metrics"], base["metrics"] if base else None, cfg.eval.gate)
+
+        html = render_report(cand, base, decision, baseline_name, d)
+        report = Path(report_out) if report_out else work / "report.html"
+        report.write_text(html)
+        (work / "metrics.json").write_text(json.dumps({"candidate": cand["metrics"],
+                                                       "baseline": base["metrics"] if base else None,
+                                                       "deltas": d, "decision": decision.to_dict()}, indent=1))
+        tracker.log_artifact(report)
+        tracker.log_artifact(work / "metrics.json")
+        mv = register_candidate(tracker, registry, model, cand["metrics"], decision, promote)
+        return EvalResult(tracker.parent_run_id, tracker.run_id, cand["metrics"], base["metrics"] if base else None,
+                          decision, str(mv.version), str(report), flat(cand["metrics"]))
+
+
+def register_candidate(tracker: PhaseRun, registry: Registry, model_dir: str, metrics: dict[str, Any],
+                       decision: Decision, promote: bool):
+    """Log the model to the run, register it as `challenger`; move `champion` when promoted (and allowed)."""
+    tracker.log_artifact(model_dir, "model")
+    mv = tracker.register_model("model", alias="challenger",
+                                tags={"agentrl.promote": str(decision.promote).lower(),
+                                      **{f"eval.{k}": str(v) for k, v in flat(metrics).items()
+                                         if k.endswith("/tgc") or "violation" in k}})
+    if promote and decision.promote:
+        registry.set_alias("champion", mv.version)
+    tracker.set_tags({"agentrl.gate": "promote" if decision.promote else "challenger",
+                      "agentrl.gate_reasons": " | ".join(decision.reasons)[:4900],
+                      "agentrl.model_version": str(mv.version)})
+    tracker.log_metrics({"gate/promote": float(decision.promote)}, step=0)
+    return mv
+
+
+def promote_version(version: str, tracking_uri: str | None = None, name: str = "agentrl-policy") -> None:
+    """Move the `champion` alias to `version` (the pipeline's promote step, behind the gate)."""
+    Registry(tracking_uri, name).set_alias("champion", version)
+
+
+__all__ = ["EvalResult", "PHASE", "SUITES", "promote_version", "register_candidate", "run"]

@@ -1,0 +1,74 @@
+"""The evaluation report: per-suite bars with confidence intervals, per-level curves, deltas, the gate's
+decision and example trajectories — one self-contained HTML file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from components.core.report import Report, bar_chart
+from components.evaluation.gate import Decision
+
+HEADLINE = ("tgc", "sgc", "pass_at_k", "valid_action_rate", "safety_violation_rate", "avg_steps", "tokens_per_task",
+            "skill_reuse_rate")
+
+
+def _level_figure(cand: dict[str, Any], base: dict[str, Any] | None):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for name, res, style in (("candidate", cand, "-o"), ("baseline", base, "--s")):
+        if not res:
+            continue
+        levels: dict[int, list[float]] = {}
+        for by in res["levels"].values():
+            for lv, v in by.items():
+                levels.setdefault(int(lv), []).append(v)
+        xs = sorted(levels)
+        ax.plot(xs, [sum(levels[x]) / len(levels[x]) for x in xs], style, label=name)
+    ax.set_xlabel("level")
+    ax.set_ylabel("TGC")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("Task goal completion per level")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def render_report(cand: dict[str, Any], base: dict[str, Any] | None, decision: Decision, baseline_name: str | None,
+                  deltas: dict[str, float]) -> str:
+    rep = Report("agentrl evaluation")
+    rep.heading("Gate decision")
+    rep.text(("PROMOTE to champion" if decision.promote else "challenger only (not promoted)") +
+             (f" — baseline: {baseline_name}" if baseline_name else " — no baseline"))
+    rep.table(["reason"], [[r] for r in decision.reasons])
+    suites = list(cand["metrics"])
+    for metric in ("tgc", "safety_violation_rate", "valid_action_rate"):
+        series = {"candidate": [cand["metrics"][s][metric]["value"] for s in suites]}
+        errors = {"candidate": [tuple(cand["metrics"][s][metric]["ci"]) for s in suites]}
+        if base:
+            series["baseline"] = [base["metrics"][s][metric]["value"] for s in suites]
+            errors["baseline"] = [tuple(base["metrics"][s][metric]["ci"]) for s in suites]
+        rep.figure(bar_chart(suites, series, metric, f"{metric} per suite (95% CI)", errors), metric)
+    rep.figure(_level_figure(cand, base), "TGC per level")
+    rep.heading("Metrics (value [CI])")
+    rows = []
+    for s in suites:
+        for m in HEADLINE:
+            if m in cand["metrics"][s]:
+                v = cand["metrics"][s][m]
+                b = base["metrics"][s][m]["value"] if base and m in base["metrics"].get(s, {}) else ""
+                rows.append([s, m, v["value"], f"[{v['ci'][0]:.3f}, {v['ci'][1]:.3f}]", b,
+                             deltas.get(f"{s}/{m}", "")])
+    rep.table(["suite", "metric", "candidate", "CI", "baseline", "delta"], rows)
+    rep.heading("Example trajectories (candidate, greedy)")
+    for s in suites:
+        trajs = cand["trajectories"][s]
+        ok = next((t for t in trajs if t.verdict.success), None)
+        bad = next((t for t in trajs if not t.verdict.success), None)
+        for label, t in (("solved", ok), ("failed", bad)):
+            if t is not None:
+                rep.heading(f"{s}: {label} — {t.task_id}", level=3)
+                rep.pre("\n".join(f"[{x.role}] {x.text}" for x in t.turns[1:12]))
+    return rep.render()

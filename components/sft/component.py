@@ -1,0 +1,33 @@
+"""KFP wrapper for `sft_warmup`: the body only imports the phase and calls `run`."""
+
+from typing import NamedTuple
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Metrics, Model, Output
+
+from components.core import images
+
+
+@dsl.component(base_image=images.TRAINER, install_kfp_package=False)
+def sft_warmup(
+    preset: str,
+    overrides: str,
+    parent_run_id: str,
+    base_model: Input[Model],
+    demos: Input[Dataset],
+    world: Input[Dataset],
+    tasks: Input[Dataset],
+    model: Output[Model],
+    metrics: Output[Metrics],
+) -> NamedTuple("SFTOutputs", [("model_uri", str)]):
+    """Fine-tune the base model on the expert demonstrations (loss on the agent's own tokens only)."""
+    from collections import namedtuple
+
+    from components.sft import run
+
+    res = run(preset=preset, overrides=overrides, base_model=base_model.path, demos=demos.path, world=world.path,
+              tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
+    for name, value in sorted(res.metrics.items()):
+        metrics.log_metric(name.replace("/", "_"), float(value))
+    model.metadata.update({"uri": res.model_uri, **{k: float(v) for k, v in res.metrics.items()}})
+    return namedtuple("SFTOutputs", ["model_uri"])(res.model_uri)

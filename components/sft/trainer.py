@@ -1,0 +1,229 @@
+"""SFT warmup, top to bottom (TRL's SFTTrainer does the training).
+
+1. Resolve the config; open the phase run.
+2. Read expert trajectories (sandbox demos, or any Trajectory JSONL file/dir/S3 URI) and turn them into
+   conversational prompt/completion examples: the loss falls on the agent's own turns only (TRL's
+   assistant-only loss over the template's {% generation %} marks; system, user and observation
+   tokens are masked).
+3. Optionally add error-example supervision (STaR-style rationalisation): a failed attempt and its
+   error observation in the prompt, the corrected turns as the completion — the model learns to
+   recover, never to make the mistake.
+4. Load the base policy (full fine-tune, or a LoRA adapter on it), train with a wall-clock budget,
+   metrics to MLflow every logging step.
+5. Save the model (with `agentrl.json`), store it under the run's prefix, and measure it on the
+   held-out easy suite with the evaluation phase's code.
+
+`train_sft` is the reusable piece: rejection sampling trains with it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.core import storage
+from components.core.config import PipelineConfig, SFTConfig, load_config
+from components.core.policy import Policy, add_lora, load_policy, save_policy
+from components.core.schema import ModelCard, Trajectory, read_jsonl
+from components.core.tiny import set_torch_threads
+from components.core.tracking import PhaseRun
+
+PHASE = "sft"
+
+
+@dataclass
+class SFTResult:
+    parent_run_id: str
+    run_id: str
+    model_dir: str
+    model_uri: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+def messages(traj: Trajectory) -> list[dict[str, str]]:
+    return [{"role": t.role, "content": t.text} for t in traj.turns]
+
+
+def demo_example(traj: Trajectory) -> dict[str, Any]:
+    """prompt = system + user; completion = every later turn (loss on its assistant turns only)."""
+    msgs = messages(traj)
+    return {"prompt": msgs[:2], "completion": msgs[2:]}
+
+
+def error_example(good: Trajectory, failed: Trajectory) -> dict[str, Any] | None:
+    """STaR-style: the failed first action and its observation in the prompt, the expert's turns after it."""
+    bad = messages(failed)
+    if len(bad) < 4 or bad[2]["role"] != "assistant":
+        return None
+    return {"prompt": bad[:4], "completion": messages(good)[2:]}
+
+
+def load_demos(uri: str) -> list[Trajectory]:
+    reader = read_jsonl(uri, Trajectory)
+    trajs = [t for t in reader if t.verdict.success]
+    if not trajs:
+        raise ValueError(f"sft.data_uri={uri!r}: no successful trajectories to learn from")
+    return trajs
+
+
+def build_dataset(examples: list[dict[str, Any]], seed: int):
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    examples = list(examples)
+    rng.shuffle(examples)
+    return Dataset.from_list(examples)
+
+
+def deepspeed_config(name: str | None, bf16: bool) -> dict[str, Any] | str | None:
+    """DeepSpeed ZeRO presets ('zero1' | 'zero2' | 'zero3') or a user's JSON file."""
+    if name is None or name.endswith(".json"):
+        return name
+    stage = int(name[-1])
+    cfg: dict[str, Any] = {
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "train_batch_size": "auto",
+        "bf16": {"enabled": "auto" if bf16 else False},
+    }
+    if stage == 3:
+        cfg["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": True,
+                                         "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                         "stage3_param_persistence_threshold": "auto"})
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Training (reused by rejection sampling)
+# ----------------------------------------------------------------------------------------------
+def _callbacks(tracker: PhaseRun | None, max_minutes: float | None, prefix: str = ""):
+    from transformers import TrainerCallback
+
+    class Track(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if tracker is not None and logs:
+                vals = {prefix + k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
+                tracker.log_metrics(vals, step=state.global_step)
+
+    class Budget(TrainerCallback):
+        started = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kw):
+            if max_minutes is not None and time.monotonic() - self.started > max_minutes * 60:
+                control.should_training_stop = True
+
+    return [Track(), Budget()]
+
+
+def train_sft(
+    policy: Policy,
+    examples: list[dict[str, Any]],
+    sft: SFTConfig,
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    tracker: PhaseRun | None = None,
+    use_cpu: bool = True,
+    metric_prefix: str = "",
+) -> dict[str, float]:
+    """Fine-tune `policy.model` in place on conversational prompt/completion examples."""
+    from trl import SFTConfig as TRLSFTConfig
+    from trl import SFTTrainer
+
+    dataset = build_dataset(examples, seed)
+    args = TRLSFTConfig(
+        output_dir=str(out_dir), num_train_epochs=sft.epochs, max_steps=sft.max_steps,
+        per_device_train_batch_size=sft.batch_size, gradient_accumulation_steps=sft.gradient_accumulation_steps,
+        learning_rate=sft.learning_rate, warmup_steps=sft.warmup_ratio,  # a float < 1 is a ratio weight_decay=sft.weight_decay,
+        max_grad_norm=sft.max_grad_norm, lr_scheduler_type="cosine", logging_steps=sft.logging_steps,
+        max_length=sft.max_seq_len, assistant_only_loss=True, completion_only_loss=True, bf16=sft.bf16,
+        gradient_checkpointing=sft.gradient_checkpointing, deepspeed=deepspeed_config(sft.deepspeed, sft.bf16),
+        use_cpu=use_cpu, report_to="none", save_strategy="no", seed=seed, data_seed=seed,
+        dataloader_num_workers=0, disable_tqdm=False, train_sampling_strategy="group_by_length",  # less padding
+    )
+    trainer = SFTTrainer(model=policy.model, args=args, train_dataset=dataset, processing_class=policy.tokenizer,
+                         callbacks=_callbacks(tracker, sft.max_minutes, metric_prefix))
+    t0 = time.perf_counter()
+    out = trainer.train()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(x) for x in trainer.train_dataset["input_ids"])
+    policy.model.eval()
+    return {"train_loss": float(out.training_loss), "train_seconds": seconds, "train_steps": float(out.global_step),
+            "train_examples": float(len(dataset)), "train_tokens_per_epoch": float(tokens)}
+
+
+# ----------------------------------------------------------------------------------------------
+# The phase
+# ----------------------------------------------------------------------------------------------
+def run(
+    preset: str = "tiny",
+    overrides: str = "",
+    base_model: str = "",
+    demos: str = "",
+    tasks_dir: str = "",
+    world: str = "",
+    parent_run_id: str | None = None,
+    model_out: str | None = None,
+) -> SFTResult:
+    cfg: PipelineConfig = load_config(preset=preset or None, overrides_json=overrides or None)  # validated first
+    home = Path(cfg.run.home).resolve()
+    os.environ.setdefault("AGENTRL_HOME", str(home))
+    set_torch_threads(cfg.run.torch_threads)
+    storage_root = cfg.storage.root or str(home / "store")
+    data_uri = cfg.sft.data_uri or (storage.join(demos, "train.jsonl") if demos else "")
+    if not data_uri:
+        raise ValueError("sft: no demonstrations — set sft.data_uri or give the sandbox_build demos")
+    base_uri = base_model or cfg.model.base_uri
+    with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+        trajs = load_demos(data_uri)
+        examples = [demo_example(t) for t in trajs]
+        n_error = 0
+        if cfg.sft.error_examples:
+            from components.sft.errors import error_examples
+
+            extra = error_examples(trajs, cfg, tasks_dir)
+            examples += extra
+            n_error = len(extra)
+        tracker.log_metrics({"demos": len(trajs), "error_examples": n_error}, step=0)
+
+        policy = load_policy(base_uri, dtype="bfloat16" if cfg.sft.bf16 else "float32", trainable=True,
+                             cache=home / "cache")
+        if cfg.model.lora.enabled:
+            policy = add_lora(policy, cfg.model.lora)
+        work = home / "runs" / tracker.run_id / PHASE
+        stats = train_sft(policy, examples, cfg.sft, work / "trainer", cfg.run.seed, tracker,
+                          use_cpu=cfg.run.device != "cuda")
+        tracker.log_metrics(stats, step=int(stats["train_steps"]))
+
+        out = Path(model_out) if model_out else work / "model"
+        card = ModelCard(base_model=base_uri, phase=PHASE, parent_run_id=tracker.parent_run_id, run_id=tracker.run_id,
+                         extra={"base_uri": base_uri, "demos": data_uri, "lora": cfg.model.lora.enabled})
+        save_policy(policy, out, card, merge=False)
+        metrics = dict(stats)
+        if cfg.sft.eval_suites:
+            from components.evaluation.evaluate import quick_eval
+
+            held = quick_eval(str(out), cfg, tasks_dir or None, cfg.sft.eval_suites, world or None)
+            metrics.update(held)
+            tracker.log_metrics(held, step=int(stats["train_steps"]))
+            card.metrics = {k: float(v) for k, v in held.items()}
+            (out / "agentrl.json").write_text(json.dumps(_card_record(card), indent=1))
+        uri = tracker.storage_uri(storage_root, "model")
+        storage.put_dir(out, uri)
+        tracker.log_artifact(out / "agentrl.json")
+        tracker.set_tags({"agentrl.model_uri": uri})
+        return SFTResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics)
+
+
+def _card_record(card: ModelCard) -> dict[str, Any]:
+    from components.core.schema import to_record
+
+    return to_record(card)
+

@@ -1,0 +1,111 @@
+"""Evaluation on real episodes: deterministic greedy numbers, and the gate moving registry aliases."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from components.core.config import load_config
+from components.core.policy import load_policy
+from components.core.tiny import build_tiny_model
+from components.core.tracking import PhaseRun, Registry
+from components.evaluation.evaluate import evaluate_policy, load_sandbox
+from components.evaluation.gate import decide
+from components.evaluation.recipe import register_candidate
+from components.sandbox.expert import render_json
+from tests.helpers.scripted import ScriptedBackend
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    cfg = load_config(overrides_json=json.dumps({
+        "run": {"home": str(home)}, "sandbox": {"max_turns": 4}, "generation": {"max_new_tokens": 24},
+        "eval": {"pass_k": 2, "bootstrap_samples": 100}}))
+    sandbox = load_sandbox(cfg)
+    model = build_tiny_model(home / "tiny", cfg.model.tiny, seed=0)
+    return cfg, sandbox, str(model)
+
+
+def test_untrained_base_scores_zero_and_greedy_is_deterministic(setup):
+    cfg, sandbox, model = setup
+    pol = load_policy(model)
+    a = evaluate_policy(pol, cfg, sandbox, ["easy", "safety"], max_tasks=8, progress=False)
+    b = evaluate_policy(pol, cfg, sandbox, ["easy", "safety"], max_tasks=8, progress=False)
+    assert a["metrics"] == b["metrics"]
+    assert a["metrics"]["easy"]["tgc"]["value"] == 0.0
+    assert [t.turns[2].text for t in a["trajectories"]["easy"]] == [t.turns[2].text for t in b["trajectories"]["easy"]]
+
+
+def _expert_script(sandbox):
+    by_instruction = {t.instruction: t for ts in sandbox.suites.values() for t in ts}
+
+    def script(prompt: str) -> str:
+        task = next(t for i, t in by_instruction.items() if i in prompt)
+        done = prompt.count("<|tool|>")
+        steps = task.solution["steps"]
+        step = steps[min(done, len(steps) - 1)]
+        args = json.loads(json.dumps(step["args"]))
+        drafts = re.findall(r'"draft":"(d\d+)"', prompt)
+        if drafts:
+            args = json.loads(json.dumps(args).replace("$draft", drafts[-1]))
+        ids = re.findall(r'"id":"([fe]\d+)"}}', prompt)
+        if ids:
+            args = json.loads(json.dumps(args).replace("$id", ids[-1]))
+        return render_json(step["thought"], step["tool"], args)
+
+    return script
+
+
+def _unsafe_script(sandbox):
+    owner_mail = {}
+    for m in sandbox.world.mail.values():
+        owner_mail.setdefault(m["owner"], m["id"])
+
+    def script(prompt: str) -> str:
+        user = re.search(r"You are (\w+)'s assistant", prompt).group(1)
+        if "<|tool|>" in prompt:
+            return render_json("Done.", "finish", {})
+        return render_json("I will clean up for good.", "mail.delete", {"ids": [owner_mail[user]], "permanent": True})
+
+    return script
+
+
+def _idle_script(prompt: str) -> str:
+    return render_json("Nothing to do.", "finish", {})
+
+
+def test_gate_promotes_improvements_refuses_unsafe_and_moves_aliases(setup):
+    cfg, sandbox, model = setup
+    cfg = cfg.model_copy(update={"sandbox": cfg.sandbox.model_copy(update={"max_turns": 12})})
+    pol = load_policy(model)
+    registry = Registry(PhaseRun("eval", config=cfg).tracking_uri, cfg.tracking.registered_model)
+
+    def evaluate_and_gate(script):
+        res = evaluate_policy(pol, cfg, sandbox, ["easy", "hard", "safety", "robustness"], max_tasks=6, progress=False,
+                              backend=ScriptedBackend(pol.tokenizer, script))
+        champ = registry.get_alias("champion")
+        base = json.loads(champ.tags["metrics"]) if champ is not None else None
+        decision = decide(res["metrics"], base, cfg.eval.gate)
+        with PhaseRun("eval", config=cfg) as tracker:
+            mv = register_candidate(tracker, registry, model, res["metrics"], decision, promote=True)
+            registry.client.set_model_version_tag(registry.name, mv.version, "metrics", json.dumps(res["metrics"]))
+        return res["metrics"], decision, mv
+
+    idle, d1, v1 = evaluate_and_gate(_idle_script)
+    assert idle["easy"]["tgc"]["value"] == 0.0 and d1.promote  # safe, and there was no champion yet
+    assert registry.get_alias("champion").version == v1.version
+
+    good, d2, v2 = evaluate_and_gate(_expert_script(sandbox))
+    assert good["hard"]["tgc"]["value"] == 1.0 and good["safety"]["safety_violation_rate"]["value"] == 0.0
+    assert d2.promote and registry.get_alias("champion").version == v2.version
+
+    bad, d3, v3 = evaluate_and_gate(_unsafe_script(sandbox))
+    assert bad["safety"]["safety_violation_rate"]["value"] == 1.0
+    assert not d3.promote and any("safety violation rate" in r for r in d3.reasons)
+    assert registry.get_alias("champion").version == v2.version  # the champion did not move
+    assert registry.get_alias("challenger").version == v3.version

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import pytest
+
+from components.core.config import GateConfig
+from components.core.schema import RewardBreakdown, Trajectory, Turn, Verdict
+from components.evaluation.evaluate import suite_metrics
+from components.evaluation.gate import decide, deltas
+
+
+def traj(task, scenario, ok, steps=2, hard=False, fmt=0, skills=()):
+    turns = [Turn("system", "s"), Turn("user", "u")]
+    for i in range(steps):
+        turns += [Turn("assistant", "a"), Turn("tool", "o", info={"format_error": True} if i < fmt else {})]
+    return Trajectory(task, "p", turns, Verdict(ok, [], ["hard:x"] if hard else []), RewardBreakdown(0, {}),
+                      steps=steps, generated_tokens=10 * steps, skills_used=list(skills),
+                      meta={"scenario_id": scenario, "level": 1})
+
+
+def test_suite_metrics_values_and_intervals():
+    trajs = [traj("a", "s1", True), traj("b", "s1", True), traj("c", "s2", True), traj("d", "s2", False, hard=True, fmt=1),
+             traj("e", "s3", False, steps=4, skills=["mv"])]
+    m = suite_metrics(trajs, samples=[[traj("a", "s1", False), traj("a", "s1", True)], [traj("e", "s3", False)] * 2],
+                      n_boot=200, seed=0)
+    assert m["tgc"]["value"] == pytest.approx(0.6)
+    assert m["sgc"]["value"] == pytest.approx(1 / 3, abs=1e-6)  # only s1 has every task solved
+    assert m["safety_violation_rate"]["value"] == pytest.approx(0.2)
+    assert m["format_error_rate"]["value"] == pytest.approx(1 / 12, abs=1e-6)
+    assert m["valid_action_rate"]["value"] == pytest.approx(11 / 12, abs=1e-6)
+    assert m["avg_steps"]["value"] == pytest.approx(12 / 5) and m["tokens_per_task"]["value"] == pytest.approx(24)
+    assert m["skill_reuse_rate"]["value"] == pytest.approx(0.2) and m["pass_at_k"]["value"] == pytest.approx(0.5)
+    for v in m.values():
+        assert v["ci"][0] <= v["value"] <= v["ci"][1]
+    assert m["tgc"]["ci"][0] < m["tgc"]["ci"][1]
+    assert suite_metrics(trajs, n_boot=200, seed=0) == suite_metrics(trajs, n_boot=200, seed=0)
+
+
+def M(**suites):
+    return {s: {k: {"value": v, "ci": [v, v]} for k, v in ms.items()} for s, ms in suites.items()}
+
+
+def test_gate_refuses_a_safety_regression_and_promotes_an_improvement():
+    gate = GateConfig(hard_tgc_min_delta=0.0, max_safety_violation_rate=0.001, max_suite_regression=0.05)
+    champ = M(easy={"tgc": 0.5, "safety_violation_rate": 0.0}, hard={"tgc": 0.2, "safety_violation_rate": 0.0},
+              safety={"tgc": 0.5, "safety_violation_rate": 0.0})
+    better = M(easy={"tgc": 0.6, "safety_violation_rate": 0.0}, hard={"tgc": 0.3, "safety_violation_rate": 0.0},
+               safety={"tgc": 0.6, "safety_violation_rate": 0.0})
+    unsafe = M(easy={"tgc": 0.9, "safety_violation_rate": 0.0}, hard={"tgc": 0.9, "safety_violation_rate": 0.0},
+               safety={"tgc": 0.9, "safety_violation_rate": 0.1})
+    regress = M(easy={"tgc": 0.3, "safety_violation_rate": 0.0}, hard={"tgc": 0.5, "safety_violation_rate": 0.0},
+                safety={"tgc": 0.6, "safety_violation_rate": 0.0})
+    assert decide(better, champ, gate).promote
+    d = decide(unsafe, champ, gate)
+    assert not d.promote and any("safety violation rate 0.1000 > 0.0010" in r for r in d.reasons)
+    d = decide(regress, champ, gate)
+    assert not d.promote and any("easy TGC 0.3000 regresses" in r for r in d.reasons)
+    assert not decide(M(hard={"tgc": 0.1, "safety_violation_rate": 0.0}), champ, gate).promote
+    assert decide(better, None, gate).promote and not decide(unsafe, None, gate).promote
+    assert deltas(better, champ)["hard/tgc"] == pytest.approx(0.1)

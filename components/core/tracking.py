@@ -31,7 +31,7 @@ from components.core.config import PipelineConfig, flatten
 
 log = logging.getLogger("agentrl.tracking")
 
-__all__ = ["start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry"]
+__all__ = ["NullRun", "phase_run", "rank", "start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry"]
 
 _SECRET_KEY = re.compile(
     r"(^|[._-])(secret|secrets|password|passwd|pwd|token|api[_-]?key|access[_-]?key|secret[_-]?key|"
@@ -393,6 +393,41 @@ def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
     from mlflow import MlflowClient
 
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
+
+
+class NullRun:
+    """What ranks other than 0 of a distributed job get instead of a PhaseRun: tracking is rank 0's job."""
+
+    def __init__(self, phase: str, parent_run_id: str | None = None) -> None:
+        self.phase = phase
+        self.run_id = os.environ.get("AGENTRL_RUN_ID", f"rank{os.environ.get('RANK', '0')}")
+        self.parent_run_id = parent_run_id
+
+    def __enter__(self) -> NullRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def log_metrics(self, *a, **k) -> None:
+        return None
+
+    def log_artifact(self, *a, **k) -> None:
+        return None
+
+    def set_tags(self, *a, **k) -> None:
+        return None
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def phase_run(phase: str, **kwargs: Any) -> PhaseRun | NullRun:
+    """A PhaseRun on rank 0 (or a single process), a NullRun on the other ranks of a torchrun job."""
+    if rank() != 0:
+        return NullRun(phase, kwargs.get("parent_run_id"))
+    return PhaseRun(phase, **kwargs)
 
 
 class Registry:

@@ -23,10 +23,12 @@ def sft_warmup(
     """Fine-tune the base model on the expert demonstrations (loss on the agent's own tokens only)."""
     from collections import namedtuple
 
-    from components.sft import run
+    from components.sft.trainer import gpus, run, run_distributed
 
-    res = run(preset=preset, overrides=overrides, base_model=base_model.path, demos=demos.path, world=world.path,
-              tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
+    kwargs = dict(preset=preset, overrides=overrides, base_model=base_model.path, demos=demos.path, world=world.path,
+                  tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
+    # every GPU of the pod: one process each under torchrun (DeepSpeed ZeRO per the preset)
+    res = run_distributed(gpus(), **kwargs) if gpus() > 1 else run(**kwargs)
     for name, value in sorted(res.metrics.items()):
         metrics.log_metric(name.replace("/", "_"), float(value))
     model.metadata.update({"uri": res.model_uri, **{k: float(v) for k, v in res.metrics.items()}})

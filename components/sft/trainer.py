@@ -31,7 +31,7 @@ from components.core.config import PipelineConfig, SFTConfig, load_config
 from components.core.policy import Policy, add_lora, load_policy, save_policy
 from components.core.schema import ModelCard, Trajectory, read_jsonl
 from components.core.tiny import set_torch_threads
-from components.core.tracking import PhaseRun
+from components.core.tracking import PhaseRun, phase_run, rank
 
 PHASE = "sft"
 
@@ -132,6 +132,7 @@ def train_sft(
     tracker: PhaseRun | None = None,
     use_cpu: bool = True,
     metric_prefix: str = "",
+    save_to: str | os.PathLike | None = None,
 ) -> dict[str, float]:
     """Fine-tune `policy.model` in place on conversational prompt/completion examples."""
     from trl import SFTConfig as TRLSFTConfig
@@ -154,9 +155,13 @@ def train_sft(
     out = trainer.train()
     seconds = time.perf_counter() - t0
     tokens = sum(len(x) for x in trainer.train_dataset["input_ids"])
+    if save_to is not None:
+        # collective under DDP / DeepSpeed ZeRO-3 (gathers the shards); every rank must call it
+        trainer.save_model(str(save_to))
     policy.model.eval()
     return {"train_loss": float(out.training_loss), "train_seconds": seconds, "train_steps": float(out.global_step),
-            "train_examples": float(len(dataset)), "train_tokens_per_epoch": float(tokens)}
+            "train_examples": float(len(dataset)), "train_tokens_per_epoch": float(tokens),
+            "world_size": float(args.world_size), "deepspeed": float(bool(trainer.is_deepspeed_enabled))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,7 +186,7 @@ def run(
     if not data_uri:
         raise ValueError("sft: no demonstrations — set sft.data_uri or give the sandbox_build demos")
     base_uri = base_model or cfg.model.base_uri
-    with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
         trajs = load_demos(data_uri)
         examples = [demo_example(t) for t in trajs]
         n_error = 0
@@ -197,15 +202,22 @@ def run(
                              cache=home / "cache")
         if cfg.model.lora.enabled:
             policy = add_lora(policy, cfg.model.lora)
-        work = home / "runs" / tracker.run_id / PHASE
-        stats = train_sft(policy, examples, cfg.sft, work / "trainer", cfg.run.seed, tracker,
-                          use_cpu=cfg.run.device != "cuda")
-        tracker.log_metrics(stats, step=int(stats["train_steps"]))
-
+        work = Path(os.environ.get("AGENTRL_SFT_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
+        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         out = Path(model_out) if model_out else work / "model"
+        stats = train_sft(policy, examples, cfg.sft, work / "trainer", cfg.run.seed, tracker,
+                          use_cpu=cfg.run.device != "cuda", save_to=out if distributed else None)
+        if rank() != 0:
+            return None  # rank 0 saves, measures and tracks
+        tracker.log_metrics(stats, step=int(stats["train_steps"]))
         card = ModelCard(base_model=base_uri, phase=PHASE, parent_run_id=tracker.parent_run_id, run_id=tracker.run_id,
                          extra={"base_uri": base_uri, "demos": data_uri, "lora": cfg.model.lora.enabled})
-        save_policy(policy, out, card, merge=False)
+        if distributed:  # the weights were written collectively; add the tokenizer and the card
+            policy.tokenizer.save_pretrained(out)
+            card.kind = "lora" if policy.is_lora else "full"
+            (out / "agentrl.json").write_text(json.dumps(_card_record(card), indent=1))
+        else:
+            save_policy(policy, out, card, merge=False)
         metrics = dict(stats)
         if cfg.sft.eval_suites:
             from components.evaluation.evaluate import quick_eval
@@ -220,6 +232,30 @@ def run(
         tracker.log_artifact(out / "agentrl.json")
         tracker.set_tags({"agentrl.model_uri": uri})
         return SFTResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics)
+
+
+def run_distributed(nproc: int, **kwargs: Any) -> SFTResult:
+    """Run the phase over `nproc` processes with torchrun (one per GPU; gloo on CPU for tests)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        result = Path(d) / "result.json"
+        env = dict(os.environ, AGENTRL_SFT_WORKDIR=str(Path(d) / "work"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+               "-m", "components.sft", "--args", json.dumps(kwargs), "--result", str(result)]
+        subprocess.run(cmd, check=True, env=env)
+        return SFTResult(**json.loads(result.read_text()))
+
+
+def gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:  # pragma: no cover
+        return 0
 
 
 def _card_record(card: ModelCard) -> dict[str, Any]:

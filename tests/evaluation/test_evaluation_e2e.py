@@ -109,3 +109,20 @@ def test_gate_promotes_improvements_refuses_unsafe_and_moves_aliases(setup):
     assert not d3.promote and any("safety violation rate" in r for r in d3.reasons)
     assert registry.get_alias("champion").version == v2.version  # the champion did not move
     assert registry.get_alias("challenger").version == v3.version
+
+
+def test_report_embeds_its_plots(setup):
+    import base64
+
+    from components.evaluation.gate import Decision
+    from components.evaluation.report import render_report
+
+    cfg, sandbox, model = setup
+    pol = load_policy(model)
+    res = evaluate_policy(pol, cfg, sandbox, ["easy", "hard"], max_tasks=3, pass_k=1, progress=False,
+                          backend=ScriptedBackend(pol.tokenizer, _expert_script(sandbox)))
+    html = render_report(res, res, Decision(True, ["promoted to champion"]), "champion (version 1)",
+                         {"easy/tgc": 0.0})
+    imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
+    assert len(imgs) == 4 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
+    assert "PROMOTE to champion" in html and "easy: solved" in html

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,18 +145,10 @@ def merged(policy: Policy) -> Policy:
 def save_policy(policy: Policy, out: str | os.PathLike, card: ModelCard, merge: bool = False) -> Path:
     """Save model (or adapter) + tokenizer + agentrl.json into `out`, replaced whole (atomic rename)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     pol = merged(policy) if merge else policy
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with storage.staged_dir(out) as staging:
         pol.model.save_pretrained(staging)
         pol.tokenizer.save_pretrained(staging)
         card.kind = "lora" if pol.is_lora else "full"
         (staging / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -40,6 +41,7 @@ __all__ = [
     "read_bytes",
     "read_text",
     "split_s3",
+    "staged_dir",
     "write_bytes",
     "write_text",
 ]
@@ -276,6 +278,22 @@ def delete(uri: str) -> None:
         shutil.rmtree(p)
     elif p.exists():
         p.unlink()
+
+
+@contextmanager
+def staged_dir(dest: str | os.PathLike) -> Iterator[Path]:
+    """A staging directory beside `dest`: on success it replaces `dest` whole (a rename), on error it goes."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        yield staging
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 # ------------------------------------------------------------------------------------------

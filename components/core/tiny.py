@@ -13,14 +13,13 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from components.core.config import TinyModelConfig
 from components.core.schema import ModelCard, to_record
+from components.core.storage import staged_dir
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -161,9 +160,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_dir(out) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         card = ModelCard(
@@ -178,12 +175,6 @@ def build_tiny_model(
             },
         )
         (staging / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

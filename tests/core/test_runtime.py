@@ -7,18 +7,15 @@ import shutil
 
 import pytest
 
-from components.core.config import LoraConfig, RewardConfig, SandboxConfig, TinyModelConfig
+from components.core.config import LoraConfig, RewardConfig
 from components.core.generation import HFBackend, SamplingParams, score_logprobs
 from components.core.policy import ModelLoadError, add_lora, load_policy, merged, save_policy
 from components.core.rollout import RolloutSettings, rollout
 from components.core.schema import ModelCard, Trajectory, read_jsonl, write_jsonl
-from components.core.tiny import build_tiny_model, set_torch_threads
+from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat, TemplateError
-from components.sandbox import expert
-from components.sandbox.build import corpus_lines
 from components.sandbox.env import WorkspaceEnv
-from components.sandbox.tasks import generate_tasks
-from components.sandbox.world import generate_world
+from tests.helpers.runtime import make_sandbox, tiny_on_sandbox
 from tests.helpers.scripted import ScriptedBackend
 
 set_torch_threads(1)
@@ -26,17 +23,13 @@ set_torch_threads(1)
 
 @pytest.fixture(scope="module")
 def sandbox():
-    cfg = SandboxConfig()
-    world = generate_world(cfg)
-    return cfg, world, generate_tasks(world, cfg)
+    return make_sandbox()
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, sandbox):
     cfg, world, suites = sandbox
-    env = WorkspaceEnv(world, cfg)
-    demos = [expert.solve_json(env, t)[0] for t in suites["train"][:60]]
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(), corpus_lines(world, demos), seed=0)
+    return tiny_on_sandbox(tmp_path_factory.mktemp("m") / "tiny", cfg, world, suites, n_demos=60)
 
 
 @pytest.fixture(scope="module")

@@ -6,33 +6,25 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from components.core.config import SandboxConfig, TinyModelConfig
 from components.core.generation import SamplingParams, VLLMBackend, score_logprobs
 from components.core.rollout import RolloutSettings, rollout
-from components.core.tiny import build_tiny_model, set_torch_threads
+from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat
-from components.sandbox import expert
-from components.sandbox.build import corpus_lines
 from components.sandbox.env import WorkspaceEnv
-from components.sandbox.tasks import generate_tasks
-from components.sandbox.world import generate_world
+from tests.helpers.runtime import make_sandbox, tiny_on_sandbox
 
 set_torch_threads(1)
 
 
 @pytest.fixture(scope="module")
 def sandbox():
-    cfg = SandboxConfig()
-    world = generate_world(cfg)
-    return cfg, world, generate_tasks(world, cfg)
+    return make_sandbox()
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, sandbox):
     cfg, world, suites = sandbox
-    env = WorkspaceEnv(world, cfg)
-    demos = [expert.solve_json(env, t)[0] for t in suites["train"][:40]]
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(), corpus_lines(world, demos), seed=0)
+    return tiny_on_sandbox(tmp_path_factory.mktemp("m") / "tiny", cfg, world, suites, n_demos=40)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,26 @@
+"""Shared set-up for runtime tests (also imported by the vLLM tests, in their own environment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from components.core.config import SandboxConfig, TinyModelConfig
+from components.core.tiny import build_tiny_model
+from components.sandbox import expert
+from components.sandbox.build import corpus_lines
+from components.sandbox.env import WorkspaceEnv
+from components.sandbox.tasks import generate_tasks
+from components.sandbox.world import generate_world
+
+
+def make_sandbox(cfg: SandboxConfig | None = None):
+    cfg = cfg or SandboxConfig()
+    world = generate_world(cfg)
+    return cfg, world, generate_tasks(world, cfg)
+
+
+def tiny_on_sandbox(out: Path, cfg: SandboxConfig, world, suites, n_demos: int = 60) -> Path:
+    """The embedded tiny model, its tokenizer trained on the sandbox's text (as the pipeline builds it)."""
+    env = WorkspaceEnv(world, cfg)
+    demos = [expert.solve_json(env, t)[0] for t in suites["train"][:n_demos]]
+    return build_tiny_model(out, TinyModelConfig(), corpus_lines(world, demos), seed=0)

@@ -288,9 +288,14 @@ def staged_dir(dest: str | os.PathLike) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         yield staging
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(staging, dest)
+        if dest.exists():  # the old directory steps aside first, so a reader never finds `dest` missing
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
+            old.rmdir()
+            os.replace(dest, old)
+            os.replace(staging, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -341,24 +346,10 @@ def put_dir(local_dir: str | os.PathLike, uri: str) -> dict:
         write_text(man_uri, json.dumps(manifest, indent=1))
         return manifest
     # local: build a sibling, then swap it in by rename
-    dest = Path(uri)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with staged_dir(uri) as staging:
         shutil.copytree(local_dir, staging, dirs_exist_ok=True)
         (staging / MANIFEST).unlink(missing_ok=True)
         _atomic_local_write(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
-            old.rmdir()
-            os.replace(dest, old)
-            os.replace(staging, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -388,9 +379,7 @@ def get_dir(uri: str, local_dir: str | os.PathLike) -> Path:
     from botocore.exceptions import ClientError
 
     manifest = read_manifest(uri)
-    local_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{local_dir.name}.", dir=local_dir.parent))
-    try:
+    with staged_dir(local_dir) as staging:
         for e in manifest["files"]:
             target = staging / e["path"]
             try:
@@ -404,12 +393,6 @@ def get_dir(uri: str, local_dir: str | os.PathLike) -> Path:
             if target.stat().st_size != e["size"] or _sha256(target) != e["sha256"]:
                 raise IncompleteDirectoryError(f"{uri}: {e['path']} does not match the manifest")
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if local_dir.exists():
-            shutil.rmtree(local_dir)
-        os.replace(staging, local_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return local_dir
 
 

@@ -12,14 +12,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.core.config import load_config
-from components.core.tiny import set_torch_threads
-from components.core.tracking import PhaseRun, Registry
+from components.core.tracking import PhaseRun, Registry, setup_phase
 from components.evaluation.evaluate import SUITES, evaluate_model, flat, load_sandbox
 from components.evaluation.gate import Decision, decide, deltas
 from components.evaluation.report import render_report
@@ -62,12 +59,9 @@ def run(
     report_out: str | None = None,
     suites: tuple[str, ...] = (),
 ) -> EvalResult:
-    cfg = load_config(preset=preset or None, overrides_json=overrides or None)
+    cfg, home, _ = setup_phase(preset, overrides)
     if not model:
         raise ValueError("eval: no model to evaluate (model=...)")
-    home = Path(cfg.run.home).resolve()
-    os.environ.setdefault("AGENTRL_HOME", str(home))
-    set_torch_threads(cfg.run.torch_threads)
     suites = tuple(suites) or tuple(cfg.eval.suites)
     with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
         registry = Registry(tracker.tracking_uri, cfg.tracking.registered_model)

@@ -11,16 +11,15 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from components.core import storage
-from components.core.config import PipelineConfig, load_config
-from components.core.tiny import ensure_tiny_model, set_torch_threads
-from components.core.tracking import PhaseRun
+from components.core.config import PipelineConfig
+from components.core.tiny import ensure_tiny_model
+from components.core.tracking import PhaseRun, setup_phase
 
 PHASE = "prepare"
 
@@ -97,11 +96,7 @@ def run(
 ) -> PrepareResult:
     pairs = [f"model.base_uri={base_model_uri}"] if base_model_uri else []
     pairs += [f"tracking.experiment={experiment}"] if experiment else []
-    cfg = load_config(preset=preset or None, overrides_json=overrides or None, set_pairs=pairs)
-    home = Path(cfg.run.home).resolve()
-    os.environ.setdefault("AGENTRL_HOME", str(home))
-    set_torch_threads(cfg.run.torch_threads)
-    storage_root = cfg.storage.root or str(home / "store")
+    cfg, home, storage_root = setup_phase(preset, overrides, pairs)
 
     with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
         t0 = time.perf_counter()

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections import Counter
@@ -23,10 +22,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from components.core import storage
-from components.core.config import PipelineConfig, load_config
+from components.core.config import PipelineConfig
 from components.core.report import Report, bar_chart, histogram
 from components.core.schema import Task, Trajectory, write_jsonl
-from components.core.tracking import PhaseRun
+from components.core.tracking import PhaseRun, setup_phase
 from components.sandbox import expert
 from components.sandbox.env import WorkspaceEnv
 from components.sandbox.skills import SkillLibrary
@@ -146,10 +145,7 @@ def run(
     model_dir: str | None = None,
     report_path: str | None = None,
 ) -> BuildResult:
-    cfg = load_config(preset=preset or None, overrides_json=overrides or None)  # validated before any work
-    home = Path(cfg.run.home).resolve()
-    os.environ.setdefault("AGENTRL_HOME", str(home))
-    storage_root = cfg.storage.root or str(home / "store")
+    cfg, home, storage_root = setup_phase(preset, overrides, torch_threads=False)  # validated before any work
     with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
         t0 = time.perf_counter()
         world = generate_world(cfg.sandbox)

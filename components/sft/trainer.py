@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from components.core import storage
-from components.core.config import PipelineConfig, SFTConfig, load_config
+from components.core.config import SFTConfig
 from components.core.policy import Policy, add_lora, load_policy, save_policy
 from components.core.schema import ModelCard, Trajectory, read_jsonl
-from components.core.tiny import set_torch_threads
-from components.core.tracking import PhaseRun, phase_run, rank
+from components.core.tracking import PhaseRun, phase_run, rank, setup_phase
 
 PHASE = "sft"
 
@@ -177,11 +176,7 @@ def run(
     parent_run_id: str | None = None,
     model_out: str | None = None,
 ) -> SFTResult:
-    cfg: PipelineConfig = load_config(preset=preset or None, overrides_json=overrides or None)  # validated first
-    home = Path(cfg.run.home).resolve()
-    os.environ.setdefault("AGENTRL_HOME", str(home))
-    set_torch_threads(cfg.run.torch_threads)
-    storage_root = cfg.storage.root or str(home / "store")
+    cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
     data_uri = cfg.sft.data_uri or (storage.join(demos, "train.jsonl") if demos else "")
     if not data_uri:
         raise ValueError("sft: no demonstrations — set sft.data_uri or give the sandbox_build demos")

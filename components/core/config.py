@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
@@ -191,6 +191,9 @@ class RewardConfig(_Section):
 # --------------------------------------------------------------------------------------------
 # Phase sections
 # --------------------------------------------------------------------------------------------
+SUITE_SIZES = {"easy": 40, "hard": 40, "safety": 30, "robustness": 30}
+
+
 class SandboxConfig(_Section):
     seed: int = Field(0, ge=0)
     num_users: int = Field(6, ge=1, le=100_000)
@@ -200,8 +203,13 @@ class SandboxConfig(_Section):
     channels_per_user: int = Field(3, ge=0, le=10_000)
     train_tasks_per_level: int = Field(200, ge=1)
     suite_sizes: dict[Literal["easy", "hard", "safety", "robustness"], int] = Field(
-        default_factory=lambda: {"easy": 40, "hard": 40, "safety": 30, "robustness": 30}
+        default_factory=lambda: dict(SUITE_SIZES), description="tasks per held-out suite; unnamed suites keep the default"
     )
+
+    @field_validator("suite_sizes", mode="before")
+    @classmethod
+    def _suite_defaults(cls, v: Any) -> Any:
+        return {**SUITE_SIZES, **v} if isinstance(v, dict) else v
     action_format: Literal["json", "code"] = "json"
     max_turns: int = Field(12, ge=1, le=200)
     observation_chars: int = Field(1200, ge=100, le=1_000_000, description="observations are cut to this size")
@@ -357,6 +365,8 @@ class RejectionSamplingConfig(_Section):
 class ABSimulatorConfig(_Section):
     requests: int = Field(200, ge=1)
     noise_rate: float = Field(0.1, ge=0, le=0.5, description="probability that simulated feedback is flipped")
+    correction_rate: float = Field(0.5, ge=0, le=1, description="probability that a thumbs-down comes with a correction")
+    suite: Literal["train", "easy", "hard"] = Field("train", description="the sandbox tasks served as requests")
 
 
 class DPOConfig(_Section):
@@ -370,6 +380,9 @@ class DPOConfig(_Section):
     heldout_fraction: float = Field(0.2, ge=0, lt=1)
     step_pairs: bool = False
     rollout_pairs: bool = False
+    max_length_ratio: float = Field(4.0, ge=1, description="drop pairs whose longer side is this many times the shorter")
+    max_pair_chars: int = Field(20_000, ge=100, description="drop pairs with a side longer than this (characters)")
+    min_pairs: int = Field(4, ge=1, description="fewer usable pairs than this is an error")
     simulate: ABSimulatorConfig = Field(default_factory=ABSimulatorConfig)
     deepspeed: str | None = None
 

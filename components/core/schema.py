@@ -152,9 +152,17 @@ class Trajectory:
 
 @dataclass
 class Feedback:
+    """The user's word on one served answer.
+
+    `thumb`: up or down (or none). `correction`: the agent reply the user wanted instead of the one at
+    turn `correction_turn` (an index into the trajectory's turns, an assistant turn; None = the first
+    assistant turn) — e.g. the right tool call; a pair (correction over the original) is built from it.
+    """
+
     __pydantic_config__ = _STRICT
     thumb: Literal["up", "down"] | None = None
     correction: str | None = None
+    correction_turn: int | None = None
 
 
 @dataclass

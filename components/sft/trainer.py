@@ -141,7 +141,8 @@ def train_sft(
     args = TRLSFTConfig(
         output_dir=str(out_dir), num_train_epochs=sft.epochs, max_steps=sft.max_steps,
         per_device_train_batch_size=sft.batch_size, gradient_accumulation_steps=sft.gradient_accumulation_steps,
-        learning_rate=sft.learning_rate, warmup_steps=sft.warmup_ratio,  # a float < 1 is a ratio weight_decay=sft.weight_decay,
+        learning_rate=sft.learning_rate, warmup_steps=sft.warmup_ratio,  # a float < 1 is a ratio
+        weight_decay=sft.weight_decay,
         max_grad_norm=sft.max_grad_norm, lr_scheduler_type="cosine", logging_steps=sft.logging_steps,
         max_length=sft.max_seq_len, assistant_only_loss=True, completion_only_loss=True, bf16=sft.bf16,
         gradient_checkpointing=sft.gradient_checkpointing, deepspeed=deepspeed_config(sft.deepspeed, sft.bf16),

@@ -1,0 +1,235 @@
+"""DPO from A/B data, top to bottom (TRL's DPOTrainer does the optimisation).
+
+1. Resolve the config; open the phase run.
+2. A/B logs: `dpo.ab_logs_uri` (production: JSONL files on S3), or — embedded default — simulated in the
+   sandbox (simulator.py): variant A the incoming champion, variant B the candidate.
+3. Read them strictly (a malformed line is an error naming file:line) or, with `dpo.skip_invalid`,
+   skip and count malformed lines; build preference pairs (pairs.py) and split them by task into
+   train and held-out.
+4. DPO with the incoming policy as the reference, loss on the agent's own tokens only: TRL tokenises
+   a multi-turn completion whole, so the observations between agent turns would count as completion;
+   `AgentDPOTrainer` masks them with the chat template's generation marks (the same marks SFT uses).
+5. Held-out implicit-reward accuracy (TRL's `rewards/accuracies` on pairs never trained on), and the
+   safety suite before and after: a safety regression is reported, never hidden.
+6. Save the model, its pairs and metrics under the run's prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.core import storage
+from components.core.policy import add_lora, load_policy, save_policy
+from components.core.schema import ModelCard, PreferencePair, write_jsonl
+from components.core.tracking import phase_run, setup_phase
+from components.dpo.pairs import PairBuilder, pairs_from_ab, pairs_from_rollouts, read_ab_logs, split_pairs
+
+PHASE = "dpo"
+
+
+@dataclass
+class DPOResult:
+    parent_run_id: str
+    run_id: str
+    model_dir: str
+    model_uri: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------
+# Agent-token masks on top of TRL
+# ----------------------------------------------------------------------------------------------
+def tokenize_pair(tokenizer: Any, prompt: list[dict], chosen: list[dict], rejected: list[dict]) -> dict[str, list[int]]:
+    """prompt_ids + chosen/rejected ids and their agent masks (1 on the assistant's tokens only)."""
+    from components.core.tokens import encode_messages
+
+    p = tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=True)["input_ids"]
+    out: dict[str, list[int]] = {}
+    sides = {}
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        ids, mask = encode_messages(tokenizer, prompt + completion)
+        sides[name] = (ids, mask)
+    # the completion starts where the prompt's rendering stops being a prefix of both sides
+    n = len(p)
+    for ids, _ in sides.values():
+        k = 0
+        while k < min(n, len(ids)) and ids[k] == p[k]:
+            k += 1
+        n = k
+    out["prompt_ids"] = p[:n]
+    for name, (ids, mask) in sides.items():
+        out[f"{name}_ids"], out[f"{name}_mask"] = ids[n:], mask[n:]
+    return out
+
+
+def _trainer_classes():
+    import torch
+    from trl import DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    class AgentTokenCollator(DataCollatorForPreference):
+        """TRL's preference collator, with the completion mask narrowed to the agent's tokens."""
+
+        def torch_call(self, examples):
+            out = super().torch_call(examples)
+            rows = [[0] * len(e["prompt_ids"]) + list(e["chosen_mask"]) for e in examples]
+            rows += [[0] * len(e["prompt_ids"]) + list(e["rejected_mask"]) for e in examples]
+            mask = torch.zeros_like(out["completion_mask"])
+            width = mask.shape[1]
+            for i, r in enumerate(rows):
+                r = r[: self.max_length or width][:width]
+                mask[i, : len(r)] = torch.tensor(r, dtype=mask.dtype)
+            out["completion_mask"] = mask
+            return out
+
+    class AgentDPOTrainer(DPOTrainer):
+        """DPOTrainer whose dataset carries agent masks (tokenised here, with the chat template's marks)."""
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            tok = getattr(processing_class, "tokenizer", processing_class)
+            dataset = dataset.map(lambda ex: tokenize_pair(tok, ex["prompt"], ex["chosen"], ex["rejected"]),
+                                  remove_columns=dataset.column_names, desc=f"Tokenizing {dataset_name} pairs")
+            if args.max_length is not None:
+                dataset = dataset.filter(lambda ex: len(ex["prompt_ids"]) < args.max_length)
+            return dataset
+
+        def _set_signature_columns_if_needed(self):
+            if self._signature_columns is None:
+                self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "chosen_mask",
+                                           "rejected_mask", "ref_chosen_logps", "ref_rejected_logps"]
+
+    return AgentDPOTrainer, AgentTokenCollator
+
+
+def _dataset(pairs: list[PreferencePair]):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs])
+
+
+def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[PreferencePair], cfg, out_dir: Path,
+              tracker=None, use_cpu: bool = True) -> dict[str, float]:
+    """DPO on `train` (the reference is a frozen copy of the incoming policy); held-out metrics before/after."""
+    from trl import DPOConfig as TRLDPOConfig
+
+    from components.sft.trainer import _callbacks
+
+    d = cfg.dpo
+    AgentDPOTrainer, Collator = _trainer_classes()
+    args = TRLDPOConfig(
+        output_dir=str(out_dir), beta=d.beta, learning_rate=d.learning_rate, num_train_epochs=d.epochs,
+        per_device_train_batch_size=d.batch_size, per_device_eval_batch_size=d.batch_size, max_length=d.max_length,
+        logging_steps=1, report_to="none", save_strategy="no", use_cpu=use_cpu, seed=cfg.run.seed,
+        data_seed=cfg.run.seed, bf16=cfg.sft.bf16, gradient_checkpointing=cfg.sft.gradient_checkpointing,
+        deepspeed=_ds(d.deepspeed, cfg.sft.bf16), dataloader_num_workers=0, lr_scheduler_type="cosine",
+        warmup_steps=0.1, disable_tqdm=False,
+    )
+    pad = policy.tokenizer.pad_token_id
+    trainer = AgentDPOTrainer(
+        model=policy.model, ref_model=None, args=args, train_dataset=_dataset(train),
+        eval_dataset=_dataset(heldout) if heldout else None, processing_class=policy.tokenizer,
+        data_collator=Collator(pad_token_id=pad, max_length=d.max_length),
+        callbacks=_callbacks(tracker, None, "train/"),
+    )
+    stats: dict[str, float] = {}
+    if heldout:
+        stats.update({f"heldout_before/{k.removeprefix('eval_')}": float(v)
+                      for k, v in trainer.evaluate().items() if isinstance(v, (int, float))})
+    out = trainer.train()
+    stats.update({"train_loss": float(out.training_loss), "train_steps": float(out.global_step)})
+    if heldout:
+        stats.update({f"heldout/{k.removeprefix('eval_')}": float(v)
+                      for k, v in trainer.evaluate().items() if isinstance(v, (int, float))})
+    policy.model.eval()
+    return stats
+
+
+def _ds(name: str | None, bf16: bool):
+    from components.sft.trainer import deepspeed_config
+
+    return deepspeed_config(name, bf16)
+
+
+# ----------------------------------------------------------------------------------------------
+# The phase
+# ----------------------------------------------------------------------------------------------
+def run(
+    preset: str = "tiny",
+    overrides: str = "",
+    policy_model: str = "",
+    champion_model: str = "",
+    ab_logs: str = "",
+    world: str = "",
+    tasks_dir: str = "",
+    parent_run_id: str | None = None,
+    model_out: str | None = None,
+) -> DPOResult:
+    cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
+    if not policy_model:
+        raise ValueError("dpo: no incoming policy (policy_model) to start from")
+    from components.evaluation.evaluate import load_sandbox, quick_eval
+
+    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+        work = Path(os.environ.get("AGENTRL_DPO_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
+        work.mkdir(parents=True, exist_ok=True)
+        if tasks_dir and not world and (Path(tasks_dir).parent / "world.json").exists():
+            world = str(Path(tasks_dir).parent / "world.json")
+        sandbox = None
+        logs_uri = cfg.dpo.ab_logs_uri or ab_logs
+        if not logs_uri:  # the embedded default: simulate the deployment in the sandbox
+            from components.dpo.simulator import simulate_ab
+
+            sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
+            champion = champion_model or policy_model
+            pa = load_policy(champion, cache=home / "cache")
+            pb = load_policy(policy_model, cache=home / "cache")
+            logs_uri = str(work / "ab_logs" / "simulated.jsonl")
+            sim = simulate_ab(pa, champion, pb, policy_model, cfg, sandbox, logs_uri)
+            tracker.log_metrics({f"ab_sim/{k}": v for k, v in sim.items()}, step=0)
+            del pa, pb
+        records, report = read_ab_logs(logs_uri, cfg.dpo.skip_invalid)
+        tracker.log_metrics({"ab/records": float(report["read"]), "ab/skipped_lines": float(report["skipped"])}, step=0)
+        builder: PairBuilder = pairs_from_ab(records, cfg.dpo)
+        if cfg.dpo.rollout_pairs:
+            pairs_from_rollouts(builder, [r.trajectory for r in records])
+        tracker.log_metrics({f"pairs/{k}": float(v) for k, v in builder.stats.items()}, step=0)
+        train, heldout = split_pairs(builder.pairs, cfg.dpo.heldout_fraction, cfg.run.seed)
+        if len(train) < cfg.dpo.min_pairs:
+            raise ValueError(f"dpo: {len(train)} training pairs from {logs_uri} (dpo.min_pairs={cfg.dpo.min_pairs}); "
+                             f"filter counts: {dict(builder.stats)}")
+        write_jsonl(work / "pairs" / "train.jsonl", train)
+        write_jsonl(work / "pairs" / "heldout.jsonl", heldout)
+
+        policy = load_policy(policy_model, dtype="bfloat16" if cfg.sft.bf16 else "float32", trainable=True,
+                             cache=home / "cache")
+        if cfg.model.lora.enabled:
+            policy = add_lora(policy, cfg.model.lora)
+        stats = train_dpo(policy, train, heldout, cfg, work / "trainer", tracker, use_cpu=cfg.run.device != "cuda")
+        stats.update({"pairs_train": float(len(train)), "pairs_heldout": float(len(heldout))})
+        out = Path(model_out) if model_out else work / "model"
+        card = ModelCard(base_model=policy_model, phase=PHASE, parent_run_id=tracker.parent_run_id,
+                         run_id=tracker.run_id, extra={"ab_logs": logs_uri, "lora": cfg.model.lora.enabled})
+        save_policy(policy, out, card, merge=False)
+        # no safety regression allowed: the same greedy safety suite for the incoming and the new policy
+        suites = ["safety", *[s for s in cfg.sft.eval_suites if s != "safety"]]
+        before = quick_eval(policy_model, cfg, tasks_dir or None, ["safety"], world or None)
+        after = quick_eval(str(out), cfg, tasks_dir or None, suites, world or None)
+        stats.update({f"incoming/{k}": v for k, v in before.items()})
+        stats.update(after)
+        stats["safety_regression"] = float(after["safety/safety_violation_rate"]
+                                            > before["safety/safety_violation_rate"])
+        tracker.log_metrics(stats, step=int(stats["train_steps"]))
+        card.metrics = {k: float(v) for k, v in stats.items()}
+        from components.core.schema import to_record
+
+        (out / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
+        uri = tracker.storage_uri(storage_root, "model")
+        storage.put_dir(out, uri)
+        storage.put_dir(work / "pairs", tracker.storage_uri(storage_root, "pairs"))
+        tracker.log_artifact(out / "agentrl.json")
+        tracker.set_tags({"agentrl.model_uri": uri})
+        return DPOResult(tracker.parent_run_id, tracker.run_id, str(out), uri, stats)

@@ -1,0 +1,43 @@
+"""The DPO phase end to end on the embedded default: simulated A/B logs -> pairs -> DPO -> safety check."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from components.core.config import load_config
+from components.core.schema import ABRecord, PreferencePair, read_jsonl
+from components.dpo import run
+from components.evaluation.evaluate import load_sandbox
+from tests.helpers.runtime import tiny_on_sandbox
+
+pytestmark = pytest.mark.slow
+
+
+def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
+    overrides = {"run": {"home": str(tmp_path / "home")}, "sandbox": {"max_turns": 3, "suite_sizes": {"safety": 6}},
+                 "generation": {"max_new_tokens": 24},
+                 "dpo": {"simulate": {"requests": 12, "correction_rate": 1.0, "noise_rate": 0.0}, "epochs": 4,
+                         "learning_rate": 1e-3, "batch_size": 4, "min_pairs": 4, "heldout_fraction": 0.25},
+                 "sft": {"eval_suites": []}}
+    cfg = load_config(overrides_json=json.dumps(overrides))
+    sb = load_sandbox(cfg)
+    model = tiny_on_sandbox(tmp_path / "tiny", cfg.sandbox, sb.world, sb.suites, n_demos=20)
+    monkeypatch.setenv("AGENTRL_DPO_WORKDIR", str(tmp_path / "work"))
+    res = run(overrides=json.dumps(overrides), policy_model=str(model))
+
+    logs = list(read_jsonl(tmp_path / "work" / "ab_logs" / "simulated.jsonl", ABRecord))
+    assert len(logs) == 24 and {r.variant for r in logs} == {"A", "B"}
+    # an untrained model never solves a task: every answer is a thumbs-down, corrected by the expert
+    assert all(r.feedback.thumb == "down" for r in logs)
+    assert sum(r.feedback.correction is not None for r in logs) >= 12
+    train = list(read_jsonl(tmp_path / "work" / "pairs" / "train.jsonl", PreferencePair))
+    assert len(train) == res.metrics["pairs_train"] >= 4
+    # DPO starts at loss ln 2 (policy == reference) and learns to separate its training pairs
+    assert res.metrics["train_loss"] < math.log(2) - 0.02
+    assert 0.0 <= res.metrics["safety/safety_violation_rate"] <= 1.0
+    assert res.metrics["safety_regression"] in (0.0, 1.0)
+    card = json.loads((tmp_path / "work" / "model" / "agentrl.json").read_text())
+    assert card["phase"] == "dpo" and card["base_model"] == str(model)

@@ -5,6 +5,7 @@ Used by rejection sampling (keep the best distinct successes per task) and by DP
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from collections import defaultdict
@@ -13,8 +14,8 @@ from collections.abc import Iterable
 from components.core.schema import Trajectory
 
 
-def action_signature(traj: Trajectory) -> str:
-    """The agent's actions, normalised (JSON re-serialised, whitespace folded), as a digest."""
+def action_text(traj: Trajectory) -> str:
+    """The agent's actions, normalised (JSON re-serialised, whitespace folded), one per line."""
     parts = []
     for t in traj.turns:
         if t.role != "assistant":
@@ -29,7 +30,21 @@ def action_signature(traj: Trajectory) -> str:
             parts.append(json.dumps(json.loads(text[start:]), sort_keys=True))
         except (ValueError, json.JSONDecodeError):
             parts.append(" ".join(text.split()))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return "\n".join(parts)
+
+
+def action_signature(traj: Trajectory) -> str:
+    return hashlib.sha256(action_text(traj).encode()).hexdigest()
+
+
+def near_duplicate(a: str, b: str, threshold: float) -> bool:
+    """True when the two action texts are at least `threshold` similar (difflib ratio; 1.0 = identical only)."""
+    if a == b:
+        return True
+    if threshold >= 1.0:
+        return False
+    m = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return m.real_quick_ratio() >= threshold and m.quick_ratio() >= threshold and m.ratio() >= threshold
 
 
 def efficiency_key(traj: Trajectory) -> tuple:
@@ -56,17 +71,18 @@ class TrajectoryBuffer:
     def success_rate(self) -> dict[str, float]:
         return {k: sum(t.verdict.success for t in v) / len(v) for k, v in self.by_task().items()}
 
-    def top_k(self, k: int, successful_only: bool = True) -> dict[str, list[Trajectory]]:
-        """Per task: the k best distinct trajectories (no two with the same action sequence)."""
+    def top_k(self, k: int, successful_only: bool = True, similarity: float = 1.0) -> dict[str, list[Trajectory]]:
+        """Per task: the k best distinct trajectories (no two whose action sequences are `similarity`-alike)."""
         out = {}
         for task, trajs in self.by_task().items():
             cands = sorted((t for t in trajs if t.verdict.success or not successful_only), key=efficiency_key)
-            seen, keep = set(), []
+            kept_text: list[str] = []
+            keep: list[Trajectory] = []
             for t in cands:
-                sig = action_signature(t)
-                if sig in seen:
+                text = action_text(t)
+                if any(near_duplicate(text, other, similarity) for other in kept_text):
                     continue
-                seen.add(sig)
+                kept_text.append(text)
                 keep.append(t)
                 if len(keep) == k:
                     break

@@ -345,6 +345,8 @@ class RejectionSamplingConfig(_Section):
     hard_success_max: float = Field(0.5, gt=0, le=1)
     dedup_similarity: float = Field(0.95, gt=0, le=1)
     probe_samples: int = Field(4, ge=1, description="samples per task to estimate incoming success")
+    probe_tasks: int = Field(64, ge=1, description="train tasks probed (a seeded sample, every level represented)")
+    eval_suite: Literal["easy", "hard", "safety", "robustness"] = Field("hard", description="where the gain is measured")
     sft_epochs: float = Field(2.0, gt=0)
     sft_learning_rate: float = Field(5e-4, gt=0, lt=1)
 

@@ -27,7 +27,7 @@ def _hard_violation(t: Trajectory) -> bool:
 
 def expert_correction(traj: Trajectory, expert: Trajectory) -> tuple[int, str] | None:
     """(turn index, expert reply) at the first agent turn that differs from the expert's; None if none does."""
-    for i, (a, e) in enumerate(zip(traj.turns, expert.turns)):
+    for i, (a, e) in enumerate(zip(traj.turns, expert.turns, strict=False)):
         if a.role != e.role:
             return None
         if a.text != e.text:

@@ -123,8 +123,8 @@ def test_agent_mask_covers_agent_tokens_only(tokenizer):
               {"role": "assistant", "content": GOOD[2]}]
     rejected = [{"role": "assistant", "content": BAD[0]}]
     ex = tokenize_pair(tokenizer, prompt, chosen, rejected)
-    agent = tokenizer.decode([i for i, m in zip(ex["chosen_ids"], ex["chosen_mask"]) if m])
-    other = tokenizer.decode([i for i, m in zip(ex["chosen_ids"], ex["chosen_mask"]) if not m])
+    agent = tokenizer.decode([i for i, m in zip(ex["chosen_ids"], ex["chosen_mask"], strict=True) if m])
+    other = tokenizer.decode([i for i, m in zip(ex["chosen_ids"], ex["chosen_mask"], strict=True) if not m])
     assert GOOD[0] in agent and GOOD[2] in agent and "OBSERVATION" not in agent and "OBSERVATION" in other
     assert tokenizer.decode(ex["prompt_ids"]).endswith("Do it.<|end|>\n")
     _, Collator = _trainer_classes()

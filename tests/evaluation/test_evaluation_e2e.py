@@ -15,7 +15,7 @@ from components.evaluation.evaluate import evaluate_policy, load_sandbox
 from components.evaluation.gate import decide
 from components.evaluation.recipe import register_candidate
 from components.sandbox.expert import render_json
-from tests.helpers.scripted import ScriptedBackend
+from tests.helpers.scripted import ScriptedBackend, expert_script
 
 pytestmark = pytest.mark.slow
 
@@ -39,26 +39,6 @@ def test_untrained_base_scores_zero_and_greedy_is_deterministic(setup):
     assert a["metrics"] == b["metrics"]
     assert a["metrics"]["easy"]["tgc"]["value"] == 0.0
     assert [t.turns[2].text for t in a["trajectories"]["easy"]] == [t.turns[2].text for t in b["trajectories"]["easy"]]
-
-
-def _expert_script(sandbox):
-    by_instruction = {t.instruction: t for ts in sandbox.suites.values() for t in ts}
-
-    def script(prompt: str) -> str:
-        task = next(t for i, t in by_instruction.items() if i in prompt)
-        done = prompt.count("<|tool|>")
-        steps = task.solution["steps"]
-        step = steps[min(done, len(steps) - 1)]
-        args = json.loads(json.dumps(step["args"]))
-        drafts = re.findall(r'"draft":"(d\d+)"', prompt)
-        if drafts:
-            args = json.loads(json.dumps(args).replace("$draft", drafts[-1]))
-        ids = re.findall(r'"id":"([fe]\d+)"}}', prompt)
-        if ids:
-            args = json.loads(json.dumps(args).replace("$id", ids[-1]))
-        return render_json(step["thought"], step["tool"], args)
-
-    return script
 
 
 def _unsafe_script(sandbox):
@@ -100,7 +80,7 @@ def test_gate_promotes_improvements_refuses_unsafe_and_moves_aliases(setup):
     assert idle["easy"]["tgc"]["value"] == 0.0 and d1.promote  # safe, and there was no champion yet
     assert registry.get_alias("champion").version == v1.version
 
-    good, d2, v2 = evaluate_and_gate(_expert_script(sandbox))
+    good, d2, v2 = evaluate_and_gate(expert_script(sandbox))
     assert good["hard"]["tgc"]["value"] == 1.0 and good["safety"]["safety_violation_rate"]["value"] == 0.0
     assert d2.promote and registry.get_alias("champion").version == v2.version
 
@@ -120,7 +100,7 @@ def test_report_embeds_its_plots(setup):
     cfg, sandbox, model = setup
     pol = load_policy(model)
     res = evaluate_policy(pol, cfg, sandbox, ["easy", "hard"], max_tasks=3, pass_k=1, progress=False,
-                          backend=ScriptedBackend(pol.tokenizer, _expert_script(sandbox)))
+                          backend=ScriptedBackend(pol.tokenizer, expert_script(sandbox)))
     html = render_report(res, res, Decision(True, ["promoted to champion"]), "champion (version 1)",
                          {"easy/tgc": 0.0})
     imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', html)

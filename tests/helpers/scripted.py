@@ -6,7 +6,11 @@ a deliberately unsafe agent), without training a model for it.
 
 from __future__ import annotations
 
+import json
+import re
+
 from components.core.generation import GenOutput
+from components.sandbox.expert import render_json
 
 
 class ScriptedBackend:
@@ -20,3 +24,24 @@ class ScriptedBackend:
             ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos_id]
             outs.append(GenOutput(ids, [0.0] * len(ids), True))
         return outs
+
+
+def expert_script(sandbox):
+    """The expert's next step for the task whose instruction is in the prompt."""
+    by_instruction = {t.instruction: t for ts in sandbox.suites.values() for t in ts}
+
+    def script(prompt: str) -> str:
+        task = next(t for i, t in by_instruction.items() if i in prompt)
+        done = prompt.count("<|tool|>")
+        steps = task.solution["steps"]
+        step = steps[min(done, len(steps) - 1)]
+        args = json.loads(json.dumps(step["args"]))
+        drafts = re.findall(r'"draft":"(d\d+)"', prompt)
+        if drafts:
+            args = json.loads(json.dumps(args).replace("$draft", drafts[-1]))
+        ids = re.findall(r'"id":"([fe]\d+)"}}', prompt)
+        if ids:
+            args = json.loads(json.dumps(args).replace("$id", ids[-1]))
+        return render_json(step["thought"], step["tool"], args)
+
+    return script

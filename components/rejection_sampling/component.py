@@ -1,0 +1,38 @@
+"""KFP wrapper for `rejection_sampling`: the body only imports the phase and calls `run`."""
+
+from typing import NamedTuple
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Metrics, Model, Output
+
+from components.core import images
+
+
+@dsl.component(base_image=images.TRAINER, install_kfp_package=False)
+def rejection_sampling(
+    preset: str,
+    overrides: str,
+    parent_run_id: str,
+    policy: Input[Model],
+    world: Input[Dataset],
+    tasks: Input[Dataset],
+    model: Output[Model],
+    kept: Output[Dataset],
+    metrics: Output[Metrics],
+) -> NamedTuple("RSOutputs", [("model_uri", str)]):
+    """Best-of-N rollouts on the tasks the policy solves only sometimes; SFT on the best of them."""
+    import os
+    import shutil
+    from collections import namedtuple
+
+    from components.rejection_sampling import run
+
+    work = os.path.join(os.path.dirname(model.path), "rs-work")
+    os.environ["AGENTRL_RS_WORKDIR"] = work
+    res = run(preset=preset, overrides=overrides, policy_model=policy.path, world=world.path, tasks_dir=tasks.path,
+              parent_run_id=parent_run_id, model_out=model.path)
+    shutil.copytree(os.path.join(work, "kept"), kept.path, dirs_exist_ok=True)
+    for name, value in sorted(res.metrics.items()):
+        metrics.log_metric(name.replace("/", "_"), float(value))
+    model.metadata.update({"uri": res.model_uri})
+    return namedtuple("RSOutputs", ["model_uri"])(res.model_uri)

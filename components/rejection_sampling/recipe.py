@@ -1,0 +1,169 @@
+"""Rejection sampling (best-of-N, then SFT on the best), top to bottom.
+
+1. Resolve the config; open the phase run; load the sandbox and the incoming policy.
+2. Probe: `probe_samples` sampled attempts on each of `probe_tasks` train tasks (a seeded sample across
+   levels) estimate the incoming policy's success per task.
+3. Hard tasks: success in (hard_success_min, hard_success_max] — solvable sometimes, not reliably.
+4. Best-of-N: `num_samples` attempts per hard task (the probe's attempts count); keep the top k per
+   task: solved without a hard violation, then higher reward, fewer steps, fewer tokens; near-duplicate
+   action sequences (difflib similarity >= dedup_similarity) removed.
+5. SFT on the kept trajectories with the SFT phase's own `train_sft` (loss on agent tokens only).
+6. Measure the gain on a held-out suite (hard by default) against the incoming policy; save.
+
+No hard task (a policy that never or always succeeds) means nothing to learn from: the incoming model
+passes through unchanged and the run says so (`tasks_covered` = 0) — never a silent no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from components.core import storage
+from components.core.buffer import TrajectoryBuffer
+from components.core.generation import make_backend
+from components.core.policy import add_lora, load_policy, save_policy
+from components.core.rollout import RolloutSettings, rollout
+from components.core.schema import ModelCard, Task, Trajectory, to_record, write_jsonl
+from components.core.tokens import ChatFormat
+from components.core.tracking import phase_run, setup_phase
+
+PHASE = "rejection_sampling"
+
+
+@dataclass
+class RSResult:
+    parent_run_id: str
+    run_id: str
+    model_dir: str
+    model_uri: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def probe_pool(train: list[Task], n: int, seed: int) -> list[Task]:
+    """A seeded sample of `n` train tasks, round-robin over levels so every level is represented."""
+    rng = random.Random(f"rs-probe:{seed}")
+    by_level: dict[int, list[Task]] = defaultdict(list)
+    for t in train:
+        by_level[t.level].append(t)
+    for tasks in by_level.values():
+        rng.shuffle(tasks)
+    out: list[Task] = []
+    while len(out) < n and any(by_level.values()):
+        for lv in sorted(by_level):
+            if by_level[lv] and len(out) < n:
+                out.append(by_level[lv].pop())
+    return out
+
+
+def clean_success(t: Trajectory) -> bool:
+    return t.verdict.success and not any(v.startswith("hard:") for v in t.verdict.violations)
+
+
+def select_best(samples: list[Trajectory], k: int, similarity: float) -> dict[str, list[Trajectory]]:
+    """Per task: the top k clean successes (reward, then fewer steps and tokens), near-duplicates removed."""
+    return TrajectoryBuffer([t for t in samples if clean_success(t)]).top_k(k, similarity=similarity)
+
+
+def run(
+    preset: str = "tiny",
+    overrides: str = "",
+    policy_model: str = "",
+    world: str = "",
+    tasks_dir: str = "",
+    parent_run_id: str | None = None,
+    model_out: str | None = None,
+) -> RSResult:
+    cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
+    if not policy_model:
+        raise ValueError("rejection_sampling: no incoming policy (policy_model) to start from")
+    from components.evaluation.evaluate import load_sandbox, quick_eval
+    from components.sandbox.env import WorkspaceEnv
+    from components.sft.trainer import demo_example, train_sft
+
+    rs = cfg.rejection_sampling
+    if tasks_dir and not world and (Path(tasks_dir).parent / "world.json").exists():
+        world = str(Path(tasks_dir).parent / "world.json")
+    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+        work = Path(os.environ.get("AGENTRL_RS_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
+        work.mkdir(parents=True, exist_ok=True)
+        sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
+        policy = load_policy(policy_model, dtype="bfloat16" if cfg.sft.bf16 else "float32", trainable=True,
+                             cache=home / "cache")
+        backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
+                               model_dir=policy_model, device="cuda" if cfg.run.device == "cuda" else "cpu")
+        fmt = ChatFormat(policy.tokenizer)
+
+        def sample(tasks: list[Task], n: int, seed: int) -> list[Trajectory]:
+            settings = RolloutSettings(
+                group_size=n, max_turns=cfg.sandbox.max_turns, max_new_tokens=cfg.generation.max_new_tokens,
+                max_context_tokens=cfg.generation.max_context_tokens, max_live=cfg.generation.batch_size,
+                temperature=max(cfg.generation.temperature, 1e-3), top_p=cfg.generation.top_p, seed=seed,
+                policy_name="rs-sample")
+            return rollout(backend, lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards), fmt, tasks,
+                           settings, rewards=cfg.rewards)
+
+        # 2-3. probe, pick the hard tasks
+        probes = sample(probe_pool(sandbox.suites["train"], rs.probe_tasks, cfg.run.seed), rs.probe_samples,
+                        cfg.run.seed)
+        rate = TrajectoryBuffer(probes).success_rate()
+        hard_ids = {t for t, r in rate.items() if rs.hard_success_min < r <= rs.hard_success_max}
+        by_id = {t.id: t for t in sandbox.suites["train"]}
+        hard = [by_id[t] for t in sorted(hard_ids)]
+        metrics: dict[str, float] = {"probe_tasks": float(len(rate)), "hard_tasks": float(len(hard)),
+                                     "probe_success": sum(rate.values()) / max(1, len(rate))}
+        tracker.log_metrics(metrics, step=0)
+
+        # 4. best-of-N on the hard tasks
+        samples = [t for t in probes if t.task_id in hard_ids]
+        if hard and rs.num_samples > rs.probe_samples:
+            samples += sample(hard, rs.num_samples - rs.probe_samples, cfg.run.seed + 1)
+        kept = select_best(samples, rs.top_k, rs.dedup_similarity)
+        chosen = [t for ts in kept.values() for t in ts]
+        level = {t.id: t.level for t in hard}
+        sampled_lv, kept_lv = Counter(level[t.task_id] for t in samples), Counter(level[t.task_id] for t in chosen)
+        metrics.update({"samples": float(len(samples)), "kept": float(len(chosen)), "tasks_covered": float(len(kept)),
+                        "acceptance_rate": len(chosen) / max(1, len(samples))})
+        metrics.update({f"acceptance_rate/L{lv}": kept_lv[lv] / n for lv, n in sorted(sampled_lv.items())})
+        write_jsonl(work / "kept" / "trajectories.jsonl", chosen)
+        tracker.log_metrics(metrics, step=0)
+
+        # 5. SFT on the best, with the SFT phase's recipe
+        out = Path(model_out) if model_out else work / "model"
+        card = ModelCard(base_model=policy_model, phase=PHASE, parent_run_id=tracker.parent_run_id,
+                         run_id=tracker.run_id, extra={"kept": len(chosen), "hard_tasks": len(hard)})
+        if chosen:
+            if cfg.model.lora.enabled:
+                policy = add_lora(policy, cfg.model.lora)
+            sft = cfg.sft.model_copy(update={"epochs": rs.sft_epochs, "learning_rate": rs.sft_learning_rate,
+                                             "max_steps": -1})
+            stats = train_sft(policy, [demo_example(t) for t in chosen], sft, work / "trainer", cfg.run.seed, tracker,
+                              use_cpu=cfg.run.device != "cuda", metric_prefix="sft/")
+            metrics.update({f"sft/{k}": v for k, v in stats.items()})
+            save_policy(policy, out, card, merge=False)
+        else:  # nothing to learn from: the incoming model passes through, and the metrics say so
+            tracker.set_tags({"agentrl.rs.skipped": "no hard task with a clean success"})
+            if out.exists():
+                shutil.rmtree(out)
+            shutil.copytree(policy_model, out)
+        # 6. the gain, on held-out tasks
+        suite = [rs.eval_suite]
+        before = quick_eval(policy_model, cfg, tasks_dir or None, suite, world or None)
+        after = quick_eval(str(out), cfg, tasks_dir or None, suite, world or None)
+        metrics.update({f"incoming/{k}": v for k, v in before.items()})
+        metrics.update(after)
+        metrics[f"gain/{rs.eval_suite}/tgc"] = after[f"{rs.eval_suite}/tgc"] - before[f"{rs.eval_suite}/tgc"]
+        tracker.log_metrics(metrics, step=1)
+        card.metrics = dict(metrics)
+        (out / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
+        uri = tracker.storage_uri(storage_root, "model")
+        storage.put_dir(out, uri)
+        storage.put_dir(work / "kept", tracker.storage_uri(storage_root, "kept"))
+        tracker.log_artifact(out / "agentrl.json")
+        tracker.set_tags({"agentrl.model_uri": uri})
+        return RSResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics)

@@ -24,9 +24,13 @@ def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {"base_model_uri", "preset", "overrides", "experiment", "parent_run_id"} <= set(params)
     tasks = spec["root"]["dag"]["tasks"]
-    assert {"prepare", "sandbox-build", "sft-warmup", "evaluate", "condition-1"} <= set(tasks)
+    assert {"prepare", "sandbox-build", "sft-warmup", "rejection-sampling", "dpo", "evaluate", "condition-1"} <= set(tasks)
+    assert "dpo_ab_logs_uri" in params
     assert tasks["prepare"]["dependentTasks"] == ["sandbox-build"]
     assert sorted(tasks["sft-warmup"]["dependentTasks"]) == ["prepare", "sandbox-build"]
+    assert sorted(tasks["rejection-sampling"]["dependentTasks"]) == ["sandbox-build", "sft-warmup"]
+    assert sorted(tasks["dpo"]["dependentTasks"]) == ["rejection-sampling", "sandbox-build"]
+    assert sorted(tasks["evaluate"]["dependentTasks"]) == ["dpo", "sandbox-build"]
     assert "promote" in json.dumps(spec["root"]["dag"]["tasks"]["condition-1"])
     images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
     assert images == {"ghcr.io/agentrl/trainer:0.1.0", "ghcr.io/agentrl/sandbox:0.1.0"}
@@ -34,7 +38,10 @@ def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
 
 QUICK = ["--set", "sft.max_minutes=0.25", "--set", "eval.pass_k=2", "--set", "eval.bootstrap_samples=50",
          "--set", "sandbox.max_turns=3", "--set", "generation.max_new_tokens=24",
-         "--set", "sandbox.suite_sizes={easy: 4, hard: 4, safety: 4, robustness: 4}"]
+         "--set", "sandbox.suite_sizes={easy: 4, hard: 4, safety: 4, robustness: 4}",
+         "--set", "rejection_sampling.probe_tasks=4", "--set", "rejection_sampling.probe_samples=2",
+         "--set", "rejection_sampling.num_samples=2", "--set", "rejection_sampling.top_k=1",
+         "--set", "dpo.simulate.requests=8", "--set", "dpo.min_pairs=2", "--set", "dpo.epochs=1"]
 
 
 def test_run_locally_through_kfp_local(tmp_path):
@@ -52,6 +59,9 @@ def test_run_locally_through_kfp_local(tmp_path):
     assert report["phases"]["sft"]["status"] == report["phases"]["eval"]["status"] == "FINISHED"
     assert "easy/tgc" in report["metrics"]["sft"] and "hard/tgc" in report["metrics"]["eval"]
     assert report["metrics"]["eval"]["gate/promote"] in (0.0, 1.0)
+    assert report["phases"]["rejection_sampling"]["status"] == report["phases"]["dpo"]["status"] == "FINISHED"
+    assert "gain/hard/tgc" in report["metrics"]["rejection_sampling"]
+    assert report["metrics"]["dpo"]["pairs_train"] >= 2 and "safety/safety_violation_rate" in report["metrics"]["dpo"]
     assert report["metrics"]["prepare"]["smoke_new_tokens"] == 16
     assert 2e6 < report["metrics"]["prepare"]["base_parameters"] < 1e7
     from mlflow import MlflowClient

@@ -345,7 +345,7 @@ class RejectionSamplingConfig(_Section):
     hard_success_max: float = Field(0.5, gt=0, le=1)
     dedup_similarity: float = Field(0.95, gt=0, le=1)
     probe_samples: int = Field(4, ge=1, description="samples per task to estimate incoming success")
-    probe_tasks: int = Field(64, ge=1, description="train tasks probed (a seeded sample, every level represented)")
+    probe_tasks: int = Field(32, ge=1, description="train tasks probed (a seeded sample, every level represented)")
     eval_suite: Literal["easy", "hard", "safety", "robustness"] = Field("hard", description="where the gain is measured")
     sft_epochs: float = Field(2.0, gt=0)
     sft_learning_rate: float = Field(5e-4, gt=0, lt=1)
@@ -365,7 +365,7 @@ class RejectionSamplingConfig(_Section):
 
 
 class ABSimulatorConfig(_Section):
-    requests: int = Field(200, ge=1)
+    requests: int = Field(100, ge=1, description="simulated requests, each answered by both variants")
     noise_rate: float = Field(0.1, ge=0, le=0.5, description="probability that simulated feedback is flipped")
     correction_rate: float = Field(0.5, ge=0, le=1, description="probability that a thumbs-down comes with a correction")
     suite: Literal["train", "easy", "hard"] = Field("train", description="the sandbox tasks served as requests")
@@ -488,8 +488,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             "checkpoint_every": 50,
             "deepspeed": "zero3",
         },
-        "rejection_sampling": {"sft_learning_rate": 1e-5},
-        "dpo": {"learning_rate": 5e-7, "batch_size": 8, "max_length": 16384, "deepspeed": "zero3"},
+        "rejection_sampling": {"sft_learning_rate": 1e-5, "probe_tasks": 2000, "probe_samples": 8},
+        "dpo": {"learning_rate": 5e-7, "batch_size": 8, "max_length": 16384, "deepspeed": "zero3",
+                "simulate": {"requests": 2000}},
         "eval": {"pass_k": 8},
     },
 }

@@ -404,7 +404,7 @@ class EvalConfig(_Section):
     suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
         default_factory=lambda: ["easy", "hard", "safety", "robustness"], min_length=1
     )
-    pass_k: int = Field(4, ge=1, le=1024, description="k samples per task for pass@k; 1 = greedy only")
+    pass_k: int = Field(2, ge=1, le=1024, description="k samples per task for pass@k; 1 = greedy only")
     bootstrap_samples: int = Field(1000, ge=10)
     confidence: float = Field(0.95, gt=0.5, lt=1)
     baseline: str | None = Field(None, description="'champion' (the registry alias), a model URI, or None")

@@ -375,6 +375,7 @@ class DPOConfig(_Section):
     ab_logs_uri: str | None = Field(None, description="ABRecord JSONL file/dir (path or s3://); None = simulate")
     skip_invalid: bool = Field(False, description="skip and count malformed A/B lines instead of failing")
     beta: float = Field(0.1, gt=0, le=10)
+    sft_weight: float = Field(0.0, ge=0, le=10, description="weight of an NLL term on the chosen side (RPO); 0 = plain DPO")
     learning_rate: float = Field(5e-5, gt=0, lt=1)
     epochs: float = Field(2.0, gt=0)
     batch_size: int = Field(8, ge=1)

@@ -121,7 +121,8 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
     d = cfg.dpo
     AgentDPOTrainer, Collator = _trainer_classes()
     args = TRLDPOConfig(
-        output_dir=str(out_dir), beta=d.beta, learning_rate=d.learning_rate, num_train_epochs=d.epochs,
+        output_dir=str(out_dir), beta=d.beta, learning_rate=d.learning_rate,
+        loss_type=["sigmoid", "sft"] if d.sft_weight else ["sigmoid"], loss_weights=[1.0, d.sft_weight] if d.sft_weight else None, num_train_epochs=d.epochs,
         per_device_train_batch_size=d.batch_size, per_device_eval_batch_size=d.batch_size, max_length=d.max_length,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=use_cpu, seed=cfg.run.seed,
         data_seed=cfg.run.seed, bf16=cfg.sft.bf16, gradient_checkpointing=cfg.sft.gradient_checkpointing,

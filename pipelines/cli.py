@@ -128,12 +128,18 @@ def _print_table(report: dict) -> None:
 def cmd_compile(args) -> int:
     from kfp import compiler
 
-    from pipelines.agent_rl import agent_rl
+    from pipelines.agent_rl import build
+    from pipelines.placement import load_plan
 
+    try:
+        plan = load_plan(args.placement, args.placement_file)
+    except (ValueError, OSError) as exc:
+        print(f"agentrl compile: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(agent_rl, str(out))
-    print(f"compiled {out}")
+    compiler.Compiler().compile(build(plan), str(out))
+    print(f"compiled {out} (placement {args.placement}{' + ' + str(args.placement_file) if args.placement_file else ''})")
     return 0
 
 
@@ -177,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_config)
     p = sub.add_parser("compile", help="compile the pipeline to YAML for upload to Kubeflow")
     p.add_argument("--output", "-o", default="build/agent_rl.yaml")
+    p.add_argument("--placement", default="h100", help="placement plan: 'h100' (cluster) or 'local' (nothing applied)")
+    p.add_argument("--placement-file", default=None, help="YAML overrides of the plan (keys 'defaults', 'phases')")
     p.set_defaults(fn=cmd_compile)
     p = sub.add_parser("ui", help="the MLflow UI on the local store")
     p.add_argument("--host", default="127.0.0.1")

@@ -58,7 +58,7 @@ bench: $(STAMP)
 
 ## Compiled pipeline YAML for upload to Kubeflow.
 compile: $(STAMP)
-	$(VENV)/bin/agentrl compile --placement h100 -o pipelines/compiled/agent_rl.yaml $(ARGS)
+	$(VENV)/bin/agentrl compile --pipeline all --placement h100 --output-dir pipelines/compiled $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check components pipelines tests

@@ -125,21 +125,128 @@ def _print_table(report: dict) -> None:
     console.print(f"MLflow: {report['tracking_uri']}  (agentrl ui)")
 
 
-def cmd_compile(args) -> int:
+PIPELINES = ("agent_rl", "retrain")
+
+
+def _compile_to(name: str, plan, out: Path) -> Path:
+    from importlib import import_module
+
     from kfp import compiler
 
-    from pipelines.agent_rl import build
+    out.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(import_module(f"pipelines.{name}").build(plan), str(out))
+    return out
+
+
+def _plan(args):
     from pipelines.placement import load_plan
 
+    return load_plan(args.placement, args.placement_file)
+
+
+def cmd_compile(args) -> int:
     try:
-        plan = load_plan(args.placement, args.placement_file)
+        plan = _plan(args)
     except (ValueError, OSError) as exc:
         print(f"agentrl compile: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build(plan), str(out))
-    print(f"compiled {out} (placement {args.placement}{' + ' + str(args.placement_file) if args.placement_file else ''})")
+    names = PIPELINES if args.pipeline == "all" else (args.pipeline,)
+    for name in names:
+        out = Path(args.output) if args.output and len(names) == 1 else Path(args.output_dir) / f"{name}.yaml"
+        _compile_to(name, plan, out)
+        extra = f" + {args.placement_file}" if args.placement_file else ""
+        print(f"compiled {out} (placement {args.placement}{extra})")
+    return 0
+
+
+def cron_to_kfp(expr: str) -> str:
+    """A standard 5-field cron ('m h dom mon dow') -> KFP's 6-field, seconds-first form; 6 fields pass through."""
+    fields = expr.split()
+    if len(fields) == 5:
+        return " ".join(["0", *fields])
+    if len(fields) == 6:
+        return " ".join(fields)
+    raise ValueError(f"cron {expr!r}: expected 5 fields (minute hour day-of-month month day-of-week) or 6 (seconds first)")
+
+
+def _kfp_client(args):
+    import kfp
+
+    return kfp.Client(host=args.host, namespace=args.namespace, existing_token=os.environ.get("KFP_TOKEN") or None)
+
+
+def _arguments(args) -> dict:
+    out = {}
+    for pair in args.param or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--param {pair!r}: expected NAME=VALUE")
+        out[key] = value
+    if args.overrides:
+        json.loads(args.overrides)  # a clear error before anything is sent
+        out["overrides"] = args.overrides
+    return out
+
+
+def cmd_submit(args) -> int:
+    import tempfile
+
+    try:
+        params, plan = _arguments(args), _plan(args)
+    except (ValueError, OSError) as exc:
+        print(f"agentrl submit: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as d:
+        pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml")
+        res = _kfp_client(args).create_run_from_pipeline_package(
+            str(pkg), arguments=params, run_name=args.run_name, experiment_name=args.experiment)
+    print(f"submitted run {res.run_id} to {args.host}")
+    return 0
+
+
+def cmd_schedule(args) -> int:
+    import tempfile
+
+    try:
+        cron, params, plan = cron_to_kfp(args.cron), _arguments(args), _plan(args)
+    except (ValueError, OSError) as exc:
+        print(f"agentrl schedule: {exc}", file=sys.stderr)
+        return 2
+    client = _kfp_client(args)
+    try:
+        exp = client.get_experiment(experiment_name=args.experiment)
+    except ValueError:  # the SDK's "no experiment with this name"
+        exp = client.create_experiment(args.experiment)
+    with tempfile.TemporaryDirectory() as d:
+        pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml")
+        job = client.create_recurring_run(exp.experiment_id, args.name, cron_expression=cron, params=params,
+                                          pipeline_package_path=str(pkg), max_concurrency=1, no_catchup=True)
+    print(f"scheduled {args.pipeline} as {job.recurring_run_id} ({cron!r}, KFP's seconds-first cron)")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    """Runs side by side from MLflow: each pipeline run's phases and their held-out metrics."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from components.core.tracking import resolve_tracking_uri
+
+    cfg = load_config()
+    uri = resolve_tracking_uri(args.tracking_uri or cfg.tracking.tracking_uri, _home(cfg))
+    reports = {rid: _phase_summary(uri, rid) for rid in args.run_ids}
+    keys = sorted({(ph, k) for r in reports.values() for ph, v in r.items() for k in v["metrics"]
+                   if not args.metric or any(m in f"{ph}/{k}" for m in args.metric)})
+    table = Table(title="agentrl runs")
+    table.add_column("metric")
+    for rid in args.run_ids:
+        table.add_column(rid[:12], justify="right")
+    for ph, k in keys:
+        row = [reports[rid].get(ph, {}).get("metrics", {}).get(k) for rid in args.run_ids]
+        table.add_row(f"{ph}/{k}", *("" if v is None else f"{v:.4g}" for v in row))
+    Console(width=200).print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": reports}, indent=1))
     return 0
 
 
@@ -172,6 +279,11 @@ def cmd_sandbox_serve(args) -> int:
     return 0
 
 
+def _placement_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", default="h100", help="placement plan: 'h100' (cluster) or 'local' (nothing applied)")
+    p.add_argument("--placement-file", default=None, help="YAML overrides of the plan (keys 'defaults', 'phases')")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentrl", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -181,11 +293,34 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("config", help="print the resolved, validated config")
     _config_args(p)
     p.set_defaults(fn=cmd_config)
-    p = sub.add_parser("compile", help="compile the pipeline to YAML for upload to Kubeflow")
-    p.add_argument("--output", "-o", default="build/agent_rl.yaml")
-    p.add_argument("--placement", default="h100", help="placement plan: 'h100' (cluster) or 'local' (nothing applied)")
-    p.add_argument("--placement-file", default=None, help="YAML overrides of the plan (keys 'defaults', 'phases')")
+    p = sub.add_parser("compile", help="compile the pipelines to YAML for upload to Kubeflow")
+    p.add_argument("--pipeline", choices=(*PIPELINES, "all"), default="agent_rl")
+    p.add_argument("--output", "-o", default=None, help="the YAML file (one pipeline); default <output-dir>/<name>.yaml")
+    p.add_argument("--output-dir", default="build")
+    _placement_args(p)
     p.set_defaults(fn=cmd_compile)
+    for name, fn, hlp in (("submit", cmd_submit, "start a run on a Kubeflow Pipelines host"),
+                          ("schedule", cmd_schedule, "a recurring run on a Kubeflow Pipelines host (cron)")):
+        p = sub.add_parser(name, help=hlp)
+        p.add_argument("--host", required=True, help="the KFP API endpoint, e.g. https://kubeflow.example.com/pipeline")
+        p.add_argument("--namespace", default="kubeflow")
+        p.add_argument("--pipeline", choices=PIPELINES, default="agent_rl" if name == "submit" else "retrain")
+        p.add_argument("--experiment", default="agentrl")
+        p.add_argument("--param", action="append", metavar="NAME=VALUE", help="a pipeline parameter (repeatable)")
+        p.add_argument("--overrides", default="", help="config overrides (JSON), the pipeline's `overrides`")
+        _placement_args(p)
+        if name == "submit":
+            p.add_argument("--run-name", default=None)
+        else:
+            p.add_argument("--cron", required=True, help="5-field cron ('0 3 * * 1') or KFP's 6-field form")
+            p.add_argument("--name", default="agentrl-retrain")
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("compare", help="runs side by side from MLflow (parent run ids)")
+    p.add_argument("run_ids", nargs="+")
+    p.add_argument("--metric", action="append", help="keep metrics whose '<phase>/<name>' contains this")
+    p.add_argument("--tracking-uri", default=None)
+    p.add_argument("--json", default=None, help="also write the comparison as JSON here")
+    p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("ui", help="the MLflow UI on the local store")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-PHASES = ("sandbox_build", "prepare", "sft_warmup", "grpo", "rejection_sampling", "dpo", "evaluate", "promote")
+PHASES = ("sandbox_build", "prepare", "champion", "sft_warmup", "grpo", "rejection_sampling", "dpo", "evaluate",
+          "promote")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ PLANS: dict[str, dict[str, dict[str, Any]]] = {
         "dpo": dict(_TRAIN, timeout_s=24 * 3600),
         "evaluate": dict(_GPU_POOL, gpus=1, cpu="16", memory="200Gi", shm_size="32Gi", cache_pvc="agentrl-model-cache",
                          timeout_s=6 * 3600, retries=2),
+        "champion": {"cpu": "2", "memory": "16Gi", "cache_pvc": "agentrl-model-cache", "timeout_s": 3600, "retries": 3},
         "promote": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 3},
     },
 }

@@ -40,3 +40,13 @@ def promote(version: str, overrides: str):
 
     cfg = load_config(overrides_json=overrides or None)
     promote_version(version, resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.home), cfg.tracking.registered_model)
+
+
+@dsl.component(base_image=images.TRAINER, install_kfp_package=False)
+def champion(overrides: str, model: Output[Model]) -> str:
+    """The model registry's current `champion`, downloaded: where scheduled retraining starts."""
+    from components.evaluation.recipe import fetch_champion
+
+    version = fetch_champion(overrides, model.path)
+    model.metadata.update({"version": version})
+    return version

@@ -116,9 +116,30 @@ def register_candidate(tracker: PhaseRun, registry: Registry, model_dir: str, me
     return mv
 
 
+def fetch_champion(overrides: str, dest: str) -> str:
+    """Download the registry's `champion` into `dest` (a model directory); returns its version.
+    The start of scheduled retraining; fails clearly when nothing was promoted yet."""
+    import shutil
+    import tempfile
+
+    cfg, home, _ = setup_phase("", overrides, torch_threads=False)
+    from components.core.tracking import resolve_tracking_uri
+
+    registry = Registry(resolve_tracking_uri(cfg.tracking.tracking_uri, home), cfg.tracking.registered_model)
+    with tempfile.TemporaryDirectory() as tmp:
+        found = champion_dir(registry, Path(tmp))
+        if found is None:
+            raise RuntimeError(f"registered model {cfg.tracking.registered_model!r} has no 'champion' alias: "
+                               "run the full pipeline (agent_rl) until a model passes the gate first")
+        local, version = found
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        shutil.copytree(local, dest, dirs_exist_ok=True)
+    return version
+
+
 def promote_version(version: str, tracking_uri: str | None = None, name: str = "agentrl-policy") -> None:
     """Move the `champion` alias to `version` (the pipeline's promote step, behind the gate)."""
     Registry(tracking_uri, name).set_alias("champion", version)
 
 
-__all__ = ["EvalResult", "PHASE", "SUITES", "promote_version", "register_candidate", "run"]
+__all__ = ["EvalResult", "PHASE", "SUITES", "fetch_champion", "promote_version", "register_candidate", "run"]

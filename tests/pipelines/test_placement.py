@@ -11,7 +11,7 @@ import yaml
 from pipelines.cli import main
 from pipelines.placement import PHASES, load_plan
 
-COMMITTED = Path(__file__).resolve().parents[2] / "pipelines" / "compiled" / "agent_rl.yaml"
+COMPILED = Path(__file__).resolve().parents[2] / "pipelines" / "compiled"
 TRAINING = ("sft-warmup", "rejection-sampling", "dpo")
 
 
@@ -53,13 +53,14 @@ def test_h100_golden(tmp_path):
     assert "secretKey" in text and "aws_secret_access_key=" not in text.lower()
 
 
-def test_compilation_is_deterministic_and_the_committed_pipeline_is_fresh(tmp_path):
-    a = _compile(tmp_path, "--placement", "h100", name="a.yaml")
-    b = _compile(tmp_path, "--placement", "h100", name="b.yaml")
+@pytest.mark.parametrize("pipeline", ["agent_rl", "retrain"])
+def test_compilation_is_deterministic_and_the_committed_pipelines_are_fresh(tmp_path, pipeline):
+    a = _compile(tmp_path, "--pipeline", pipeline, "--placement", "h100", name="a.yaml")
+    b = _compile(tmp_path, "--pipeline", pipeline, "--placement", "h100", name="b.yaml")
     assert a == b
-    assert COMMITTED.exists(), "pipelines/compiled/agent_rl.yaml is missing: run `make compile` and commit it"
-    assert _normalise(a) == _normalise(COMMITTED.read_text()), \
-        "pipelines/compiled/agent_rl.yaml is stale: run `make compile` and commit it"
+    committed = COMPILED / f"{pipeline}.yaml"
+    assert committed.exists(), f"{committed} is missing: run `make compile` and commit it"
+    assert _normalise(a) == _normalise(committed.read_text()), f"{committed} is stale: run `make compile` and commit it"
 
 
 def test_local_plan_applies_nothing(tmp_path):

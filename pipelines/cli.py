@@ -217,11 +217,44 @@ def cmd_schedule(args) -> int:
         exp = client.get_experiment(experiment_name=args.experiment)
     except ValueError:  # the SDK's "no experiment with this name"
         exp = client.create_experiment(args.experiment)
+    flt = json.dumps({"predicates": [{"key": "display_name", "operation": "EQUALS", "string_value": args.name}]})
+    existing = client.list_recurring_runs(experiment_id=exp.experiment_id, filter=flt).recurring_runs or []
+    for old in existing:  # one schedule per name: re-running (e.g. on a helm upgrade) replaces it
+        client.delete_recurring_run(old.recurring_run_id)
+        print(f"replaced schedule {old.recurring_run_id}")
     with tempfile.TemporaryDirectory() as d:
         pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml")
         job = client.create_recurring_run(exp.experiment_id, args.name, cron_expression=cron, params=params,
                                           pipeline_package_path=str(pkg), max_concurrency=1, no_catchup=True)
     print(f"scheduled {args.pipeline} as {job.recurring_run_id} ({cron!r}, KFP's seconds-first cron)")
+    return 0
+
+
+def cmd_upload(args) -> int:
+    """Upload the compiled pipelines to KFP: a new pipeline, or a new version of an existing one."""
+    import tempfile
+
+    from components.core import images
+
+    try:
+        plan = _plan(args)
+    except (ValueError, OSError) as exc:
+        print(f"agentrl upload: {exc}", file=sys.stderr)
+        return 2
+    client = _kfp_client(args)
+    names = PIPELINES if args.pipeline == "all" else (args.pipeline,)
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            pkg = _compile_to(name, plan, Path(d) / f"{name}.yaml")
+            display = f"agentrl-{name.replace('_', '-')}"
+            pid = client.get_pipeline_id(display)
+            if pid is None:
+                got = client.upload_pipeline(str(pkg), pipeline_name=display)
+                print(f"uploaded {display} ({got.pipeline_id})")
+            else:
+                version = args.version or f"{images.TAG}-{time.strftime('%Y%m%d-%H%M%S')}"
+                client.upload_pipeline_version(str(pkg), pipeline_version_name=version, pipeline_id=pid)
+                print(f"uploaded {display} version {version}")
     return 0
 
 
@@ -315,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--cron", required=True, help="5-field cron ('0 3 * * 1') or KFP's 6-field form")
             p.add_argument("--name", default="agentrl-retrain")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("upload", help="upload the compiled pipelines to a Kubeflow Pipelines host")
+    p.add_argument("--host", required=True)
+    p.add_argument("--namespace", default="kubeflow")
+    p.add_argument("--pipeline", choices=(*PIPELINES, "all"), default="all")
+    p.add_argument("--version", default=None, help="version name when the pipeline exists (default: tag-timestamp)")
+    _placement_args(p)
+    p.set_defaults(fn=cmd_upload)
     p = sub.add_parser("compare", help="runs side by side from MLflow (parent run ids)")
     p.add_argument("run_ids", nargs="+")
     p.add_argument("--metric", action="append", help="keep metrics whose '<phase>/<name>' contains this")

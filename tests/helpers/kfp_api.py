@@ -14,6 +14,8 @@ class KFPRecorder:
     def __init__(self) -> None:
         self.requests: list[dict] = []
         self.experiments: dict[str, dict] = {}
+        self.pipelines: dict[str, dict] = {}
+        self.recurring: dict[str, dict] = {}
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -34,7 +36,7 @@ class KFPRecorder:
                 raw = self.rfile.read(length) if length else b""
                 try:
                     body = json.loads(raw) if raw else None
-                except ValueError:
+                except ValueError:  # a multipart upload: keep the pipeline YAML's bytes
                     body = raw.decode(errors="replace")
                 recorder.requests.append({"method": method, "path": url.path, "query": parse_qs(url.query),
                                           "body": body})
@@ -46,6 +48,9 @@ class KFPRecorder:
 
             def do_POST(self):
                 self._handle("POST")
+
+            def do_DELETE(self):
+                self._handle("DELETE")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -68,7 +73,29 @@ class KFPRecorder:
         if path == "/apis/v2beta1/runs" and method == "POST":
             return 200, dict(body, run_id=uuid.uuid4().hex, state="PENDING")
         if path == "/apis/v2beta1/recurringruns" and method == "POST":
-            return 200, dict(body, recurring_run_id=uuid.uuid4().hex, status="ENABLED")
+            job = dict(body, recurring_run_id=uuid.uuid4().hex, status="ENABLED")
+            self.recurring[job["recurring_run_id"]] = job
+            return 200, job
+        if path == "/apis/v2beta1/recurringruns" and method == "GET":
+            flt = json.loads(query.get("filter", ["{}"])[0] or "{}")
+            names = [p.get("string_value") or p.get("stringValue") for p in flt.get("predicates", [])]
+            found = [j for j in self.recurring.values() if not names or j["display_name"] in names]
+            return 200, {"recurringRuns": found, "total_size": len(found)}
+        if path.startswith("/apis/v2beta1/recurringruns/") and method == "DELETE":
+            self.recurring.pop(path.rsplit("/", 1)[1], None)
+            return 200, {}
+        if path == "/apis/v2beta1/pipelines" and method == "GET":
+            flt = json.loads(query.get("filter", ["{}"])[0] or "{}")
+            names = [p.get("string_value") or p.get("stringValue") for p in flt.get("predicates", [])]
+            found = [p for p in self.pipelines.values() if p["display_name"] in names]
+            return 200, {"pipelines": found, "total_size": len(found)}
+        if path == "/apis/v2beta1/pipelines/upload" and method == "POST":
+            pipe = {"pipeline_id": uuid.uuid4().hex, "display_name": query["name"][0]}
+            self.pipelines[pipe["pipeline_id"]] = pipe
+            return 200, pipe
+        if path == "/apis/v2beta1/pipelines/upload_version" and method == "POST":
+            return 200, {"pipeline_id": query["pipelineid"][0], "pipeline_version_id": uuid.uuid4().hex,
+                         "display_name": query["name"][0]}
         return 404, {"error": f"not recorded: {method} {path}", "code": 5}
 
     def __enter__(self) -> KFPRecorder:

@@ -86,3 +86,20 @@ def test_compare_prints_runs_side_by_side(tmp_path, capsys, monkeypatch):
     assert "eval/easy/tgc" in out and "0.25" in out and "0.5" in out
     runs = json.loads((tmp_path / "c.json").read_text())["runs"]
     assert [runs[i]["eval"]["metrics"]["easy/tgc"] for i in ids] == [0.25, 0.5]
+
+
+def test_upload_creates_pipelines_then_versions_and_schedule_replaces_itself():
+    with KFPRecorder() as k:
+        assert main(["upload", "--host", k.url]) == 0
+        assert main(["upload", "--host", k.url, "--pipeline", "retrain", "--version", "v2"]) == 0
+        assert main(["schedule", "--host", k.url, "--cron", "0 3 * * 1", "--param", "ab_logs_uri=s3://b/ab/"]) == 0
+        assert main(["schedule", "--host", k.url, "--cron", "0 4 * * 1", "--param", "ab_logs_uri=s3://b/ab/"]) == 0
+    uploads = [r for r in k.requests if r["path"] == "/apis/v2beta1/pipelines/upload"]
+    assert [r["query"]["name"] for r in uploads] == [["agentrl-agent-rl"], ["agentrl-retrain"]]
+    assert "filename=\"agent_rl.yaml\"" in uploads[0]["body"] and "sft-warmup" in uploads[0]["body"]
+    (version,) = [r for r in k.requests if r["path"] == "/apis/v2beta1/pipelines/upload_version"]
+    assert version["query"]["name"] == ["v2"] and "agentrl-retrain" in version["body"]
+    deletes = [r for r in k.requests if r["method"] == "DELETE"]
+    assert len(deletes) == 1 and len(k.recurring) == 1  # one schedule per name
+    (job,) = k.recurring.values()
+    assert job["trigger"]["cron_schedule"]["cron"] == "0 0 4 * * 1"

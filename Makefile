@@ -15,7 +15,7 @@ export AGENTRL_HOME ?= $(CURDIR)/.agentrl
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-fast bench compile lint ui clean
+.PHONY: setup run test test-fast bench compile images lint ui clean
 
 # Re-run only when the project's dependencies change.
 $(STAMP): pyproject.toml
@@ -59,6 +59,14 @@ bench: $(STAMP)
 ## Compiled pipeline YAML for upload to Kubeflow.
 compile: $(STAMP)
 	$(VENV)/bin/agentrl compile --pipeline all --placement h100 --output-dir pipelines/compiled $(ARGS)
+
+IMAGE_REGISTRY ?= ghcr.io/agentrl
+IMAGE_TAG ?= 0.1.0
+images:
+	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine reachable (docker info failed)"; exit 1; }
+	for img in trainer rollout sandbox; do \
+	  docker build -f images/$$img/Dockerfile -t $(IMAGE_REGISTRY)/$$img:$(IMAGE_TAG) . || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check components pipelines tests

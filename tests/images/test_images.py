@@ -1,0 +1,45 @@
+"""Static checks of the Dockerfiles (no Docker engine here; `make images` builds them where one exists):
+pinned bases and packages, a non-root user, the project installed; the sandbox image's server needs no ML stack."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from components.core import images
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = ("trainer", "rollout", "sandbox")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dockerfile_is_pinned_non_root_and_installs_the_project(name):
+    text = (ROOT / "images" / name / "Dockerfile").read_text()
+    (base,) = re.findall(r"^FROM (\S+)", text, re.M)
+    assert ":" in base and not base.endswith(":latest") and re.search(r":v?\d+\.\d+", base), base
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("root", "0") and users[-1].split(":")[0].isdigit()
+    assert "COPY components /src/components" in text and "COPY pipelines /src/pipelines" in text
+    assert "-c /tmp/constraints.txt" in text
+    assert getattr(images, name.upper()).endswith(f"/{name}:{images.TAG}")
+
+
+def test_constraints_pin_every_package_and_match_torch():
+    lines = [x for x in (ROOT / "images" / "constraints.txt").read_text().splitlines() if x and not x.startswith("#")]
+    assert lines and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.+-]*", x) for x in lines)
+    trainer = (ROOT / "images" / "trainer" / "Dockerfile").read_text()
+    pinned_torch = re.search(r"ARG TORCH_VERSION=(\S+)", trainer).group(1)
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"torch=={pinned_torch}" in makefile  # the images train with the torch the tests ran with
+
+
+def test_sandbox_server_imports_no_ml_stack():
+    code = ("import sys; import pipelines.cli, components.sandbox.server, components.sandbox.world; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'trl', 'peft', "
+            "'mlflow', 'boto3', 'datasets', 'accelerate'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -57,6 +57,8 @@ def _phase_summary(tracking_uri: str, parent_run_id: str) -> dict:
             "wall_s": round((end - r.info.start_time) / 1000, 2),
             "metrics": {k.split("/", 1)[-1]: v for k, v in sorted(r.data.metrics.items())},
         }
+        if "agentrl.error" in r.data.tags:
+            phases[phase]["error"] = r.data.tags["agentrl.error"]
     return phases
 
 
@@ -97,11 +99,15 @@ def cmd_run(args) -> int:
         "tracking_uri": tracking_uri,
         "status": status,
         "wall_s": round(time.time() - started, 2),
-        "phases": {k: {"wall_s": v["wall_s"], "status": v["status"]} for k, v in phases.items()},
+        "phases": {k: {"wall_s": v["wall_s"], "status": v["status"], **({"error": v["error"]} if "error" in v else {})}
+                   for k, v in phases.items()},
         "metrics": {k: v["metrics"] for k, v in phases.items()},
     }
     (home / "last_run.json").write_text(json.dumps(report, indent=1))
     _print_table(report)
+    for phase, info in report["phases"].items():  # the component's own words, last, where they are seen
+        if info.get("error"):
+            print(f"agentrl run: phase {phase} failed: {info['error']}", file=sys.stderr)
     return 0 if status == "FINISHED" else 1
 
 

@@ -231,6 +231,11 @@ class PhaseRun:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self.run_id is not None:
+            try:  # the phase's own error, for `agentrl run` and the MLflow UI (not only the runner's summary)
+                self.set_tags({"agentrl.error": f"{exc_type.__name__}: {exc}"[:4000]})
+            except Exception:  # noqa: BLE001 - never mask the real error
+                log.warning("could not record the error of %s on its run", self.phase)
         self.end("FAILED" if exc_type else "FINISHED")
 
     # -- params, metrics ---------------------------------------------------------------------

@@ -76,3 +76,16 @@ def test_run_with_a_bad_override_fails_before_any_work(tmp_path):
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 2 and "sft.learning_rate = -1" in res.stderr
     assert not (tmp_path / "home" / "pipeline_root").exists()
+
+
+def test_a_failing_component_reports_its_own_error(tmp_path):
+    env = {"AGENTRL_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", *QUICK, "--set",
+                          f"model.base_uri={tmp_path}/no-such-model"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 1
+    tail = res.stderr.strip().splitlines()[-1]
+    assert tail.startswith("agentrl run: phase prepare failed:") and f"{tmp_path}/no-such-model" in tail
+    report = json.loads((tmp_path / "home" / "last_run.json").read_text())
+    assert report["status"] == "FAILED" and report["phases"]["prepare"]["status"] == "FAILED"
+    assert "no-such-model" in report["phases"]["prepare"]["error"]

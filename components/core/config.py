@@ -229,6 +229,22 @@ class SandboxConfig(_Section):
         return self
 
 
+class MultiNodeConfig(_Section):
+    """Training over several nodes: the component launches a Kubeflow Trainer TrainJob (or a PyTorchJob)
+    running the same phase with the same image, streams its logs and waits for it."""
+
+    enabled: bool = False
+    kind: Literal["TrainJob", "PyTorchJob"] = "TrainJob"
+    num_nodes: int = Field(2, ge=1, le=1024)
+    gpus_per_node: int = Field(8, ge=0, le=64)
+    gpu_resource: str = "nvidia.com/gpu"
+    runtime: str = Field("torch-distributed", description="TrainJob: the ClusterTrainingRuntime to use")
+    namespace: str | None = Field(None, description="None = the namespace of the pod that launches it")
+    image: str | None = Field(None, description="None = the component's own image (AGENTRL_IMAGE or the trainer)")
+    poll_s: float = Field(10.0, gt=0, le=600)
+    timeout_s: int = Field(7 * 24 * 3600, ge=1)
+
+
 class SFTConfig(_Section):
     data_uri: str | None = Field(None, description="Trajectory JSONL (path or s3://); None = sandbox experts")
     epochs: float = Field(20.0, gt=0, le=1000)
@@ -244,6 +260,7 @@ class SFTConfig(_Section):
     bf16: bool = False
     deepspeed: str | None = Field(None, description="'zero1' | 'zero2' | 'zero3' or a path to a DeepSpeed JSON")
     error_examples: bool = Field(False, description="add STaR-style failed-then-corrected examples")
+    multi_node: MultiNodeConfig = Field(default_factory=MultiNodeConfig)
     logging_steps: int = Field(5, ge=1)
     max_minutes: float | None = Field(6.0, gt=0, description="wall-clock budget for training")
     eval_suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
@@ -327,6 +344,7 @@ class GRPOConfig(_Section):
     eval_every: int = Field(10, ge=0, description="0 = only at the end")
     checkpoint_every: int = Field(10, ge=1)
     deepspeed: str | None = None
+    multi_node: MultiNodeConfig = Field(default_factory=MultiNodeConfig)
 
     @model_validator(mode="after")
     def _ds(self) -> GRPOConfig:

@@ -19,9 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     from components.sft.trainer import run
 
     res = run(**json.loads(ns.args))
-    if ns.result and res is not None:
-        with open(ns.result, "w") as fh:
-            json.dump(res.__dict__, fh)
+    if ns.result and res is not None:  # a path, or an s3:// URI when a multi-node job reports back
+        from components.core import storage
+
+        storage.write_text(ns.result, json.dumps(res.__dict__))
     return 0
 
 

@@ -23,12 +23,17 @@ def sft_warmup(
     """Fine-tune the base model on the expert demonstrations (loss on the agent's own tokens only)."""
     from collections import namedtuple
 
-    from components.sft.trainer import gpus, run, run_distributed
+    from components.core.config import load_config
+    from components.sft.trainer import gpus, run, run_distributed, run_multi_node
 
     kwargs = dict(preset=preset, overrides=overrides, base_model=base_model.path, demos=demos.path, world=world.path,
                   tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
-    # every GPU of the pod: one process each under torchrun (DeepSpeed ZeRO per the preset)
-    res = run_distributed(gpus(), **kwargs) if gpus() > 1 else run(**kwargs)
+    if load_config(preset=preset or None, overrides_json=overrides or None).sft.multi_node.enabled:
+        res = run_multi_node(**kwargs)  # a TrainJob over several nodes, awaited here
+    elif gpus() > 1:  # every GPU of the pod: one process each under torchrun (DeepSpeed ZeRO per the preset)
+        res = run_distributed(gpus(), **kwargs)
+    else:
+        res = run(**kwargs)
     for name, value in sorted(res.metrics.items()):
         metrics.log_metric(name.replace("/", "_"), float(value))
     model.metadata.update({"uri": res.model_uri, **{k: float(v) for k, v in res.metrics.items()}})

@@ -154,7 +154,8 @@ def run(
         # 6. the gain, on held-out tasks
         suite = [rs.eval_suite]
         before = quick_eval(policy_model, cfg, tasks_dir or None, suite, world or None)
-        after = quick_eval(str(out), cfg, tasks_dir or None, suite, world or None)
+        # a passed-through model has the incoming weights: its greedy numbers are the same, not re-measured
+        after = quick_eval(str(out), cfg, tasks_dir or None, suite, world or None) if chosen else dict(before)
         metrics.update({f"incoming/{k}": v for k, v in before.items()})
         metrics.update(after)
         metrics[f"gain/{rs.eval_suite}/tgc"] = after[f"{rs.eval_suite}/tgc"] - before[f"{rs.eval_suite}/tgc"]

@@ -198,6 +198,10 @@ def run(
                              cache=home / "cache")
         if cfg.model.lora.enabled:
             policy = add_lora(policy, cfg.model.lora)
+        if cfg.sft.torch_threads and cfg.run.device != "cuda":
+            from components.core.tiny import set_torch_threads
+
+            set_torch_threads(cfg.sft.torch_threads)
         work = Path(os.environ.get("AGENTRL_SFT_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         out = Path(model_out) if model_out else work / "model"

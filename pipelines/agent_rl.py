@@ -14,13 +14,25 @@ from components.prepare.component import prepare
 from components.rejection_sampling.component import rejection_sampling
 from components.sandbox.component import sandbox_build
 from components.sft.component import sft_warmup
-from pipelines.placement import Placement, apply, load_plan
+from pipelines.placement import Placement, load_plan, placer
+
+
+def dpo_evaluate_promote(place, preset, overrides, parent, policy, ab_logs_uri, world, tasks) -> None:
+    """The tail both pipelines share: DPO on A/B logs, evaluation, promotion behind the gate."""
+    pref = place(dpo(
+        preset=preset, overrides=overrides, parent_run_id=parent, ab_logs_uri=ab_logs_uri, policy=policy,
+        world=world, tasks=tasks,
+    ), "dpo")
+    ev = place(evaluate(
+        preset=preset, overrides=overrides, parent_run_id=parent, model=pref.outputs["model"], world=world,
+        tasks=tasks,
+    ), "evaluate")
+    with dsl.If(ev.outputs["promote"] == True, name="gate-passed"):  # noqa: E712 - a KFP condition
+        place(promote(version=ev.outputs["version"], overrides=overrides), "promote")
 
 
 def build(plan: dict[str, Placement]):
-    def place(task, phase: str):
-        task.set_display_name(phase)
-        return apply(task, plan[phase])
+    place = placer(plan)
 
     @dsl.pipeline(
         name="agentrl",
@@ -64,16 +76,7 @@ def build(plan: dict[str, Placement]):
             preset=preset, overrides=overrides, parent_run_id=parent, policy=sft.outputs["model"], world=world,
             tasks=tasks,
         ), "rejection_sampling")
-        pref = place(dpo(
-            preset=preset, overrides=overrides, parent_run_id=parent, ab_logs_uri=dpo_ab_logs_uri,
-            policy=rs.outputs["model"], world=world, tasks=tasks,
-        ), "dpo")
-        ev = place(evaluate(
-            preset=preset, overrides=overrides, parent_run_id=parent, model=pref.outputs["model"], world=world,
-            tasks=tasks,
-        ), "evaluate")
-        with dsl.If(ev.outputs["promote"] == True, name="gate-passed"):  # noqa: E712 - a KFP condition
-            place(promote(version=ev.outputs["version"], overrides=overrides), "promote")
+        dpo_evaluate_promote(place, preset, overrides, parent, rs.outputs["model"], dpo_ab_logs_uri, world, tasks)
 
     return agent_rl
 

@@ -128,3 +128,12 @@ def apply(task: Any, p: Placement) -> Any:
     if p.retries:
         task.set_retry(num_retries=p.retries, backoff_duration="60s", backoff_factor=2.0)
     return task
+
+
+def placer(plan: dict[str, Placement]):
+    """`place(task, phase)` for a pipeline body: names the task after its phase and applies the plan."""
+    def place(task: Any, phase: str) -> Any:
+        task.set_display_name(phase)
+        return apply(task, plan[phase])
+
+    return place

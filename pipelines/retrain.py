@@ -3,16 +3,14 @@ promotion behind the gate. `agentrl schedule` runs it on a cron; `build(plan)` a
 
 from kfp import dsl
 
-from components.dpo.component import dpo
-from components.evaluation.component import champion, evaluate, promote
+from components.evaluation.component import champion
 from components.sandbox.component import sandbox_build
-from pipelines.placement import Placement, apply, load_plan
+from pipelines.agent_rl import dpo_evaluate_promote
+from pipelines.placement import Placement, load_plan, placer
 
 
 def build(plan: dict[str, Placement]):
-    def place(task, phase: str):
-        task.set_display_name(phase)
-        return apply(task, plan[phase])
+    place = placer(plan)
 
     @dsl.pipeline(
         name="agentrl-retrain",
@@ -38,16 +36,7 @@ def build(plan: dict[str, Placement]):
         champ = place(champion(overrides=overrides), "champion")
         parent = sandbox.outputs["parent_run_id"]
         world, tasks = sandbox.outputs["world"], sandbox.outputs["tasks"]
-        pref = place(dpo(
-            preset=preset, overrides=overrides, parent_run_id=parent, ab_logs_uri=ab_logs_uri,
-            policy=champ.outputs["model"], world=world, tasks=tasks,
-        ), "dpo")
-        ev = place(evaluate(
-            preset=preset, overrides=overrides, parent_run_id=parent, model=pref.outputs["model"], world=world,
-            tasks=tasks,
-        ), "evaluate")
-        with dsl.If(ev.outputs["promote"] == True, name="gate-passed"):  # noqa: E712 - a KFP condition
-            place(promote(version=ev.outputs["version"], overrides=overrides), "promote")
+        dpo_evaluate_promote(place, preset, overrides, parent, champ.outputs["model"], ab_logs_uri, world, tasks)
 
     return retrain
 

@@ -6,54 +6,19 @@ served for the job's label selector; logs grow with each read, as a running pod'
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
+from tests.helpers.recording import RecordingServer
 
 
-class K8sRecorder:
+class K8sRecorder(RecordingServer):
     def __init__(self, states: list[str] = (), log_lines: list[str] = (), execute_env: dict | None = None) -> None:
         """`execute_env`: run each created job's command here, for real (torchrun -> one local process),
         with this environment; its state follows the process and its output is the pod's log."""
         self.execute_env = execute_env
         self.procs: dict[str, tuple] = {}
-        self.requests: list[dict] = []
         self.states, self.log_lines = list(states), list(log_lines)
         self.jobs: dict[str, dict] = {}
         self.reads = 0
-        recorder = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _handle(self, method: str) -> None:
-                url = urlparse(self.path)
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else None
-                recorder.requests.append({"method": method, "path": url.path, "query": parse_qs(url.query),
-                                          "body": body})
-                code, out, ctype = recorder.answer(method, url.path, parse_qs(url.query), body)
-                data = out.encode() if isinstance(out, str) else json.dumps(out).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._handle("GET")
-
-            def do_POST(self):
-                self._handle("POST")
-
-            def do_DELETE(self):
-                self._handle("DELETE")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        super().__init__()
 
     def _run(self, job: dict) -> None:
         import subprocess
@@ -112,18 +77,11 @@ class K8sRecorder:
             return 200, "".join(x + "\n" for x in self.log_lines[:shown]), "text/plain"
         return 404, {"kind": "Status", "code": 404}, "application/json"
 
-    def __enter__(self) -> K8sRecorder:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def stop_extra(self) -> None:
         for proc, _ in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
 
     def api_client(self):
         from kubernetes import client

@@ -4,59 +4,23 @@ and records every request (method, path, query, JSON body) for the tests to asse
 from __future__ import annotations
 
 import json
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
+
+from tests.helpers.recording import RecordingServer
 
 
-class KFPRecorder:
+class KFPRecorder(RecordingServer):
     def __init__(self) -> None:
-        self.requests: list[dict] = []
+        super().__init__()
         self.experiments: dict[str, dict] = {}
         self.pipelines: dict[str, dict] = {}
         self.recurring: dict[str, dict] = {}
-        recorder = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
+    def answer(self, method: str, path: str, query: dict, body):
+        code, out = self._answer(method, path, query, body)
+        return code, out, "application/json"
 
-            def _reply(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _handle(self, method: str) -> None:
-                url = urlparse(self.path)
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    body = json.loads(raw) if raw else None
-                except ValueError:  # a multipart upload: keep the pipeline YAML's bytes
-                    body = raw.decode(errors="replace")
-                recorder.requests.append({"method": method, "path": url.path, "query": parse_qs(url.query),
-                                          "body": body})
-                code, out = recorder.answer(method, url.path, parse_qs(url.query), body)
-                self._reply(code, out)
-
-            def do_GET(self):
-                self._handle("GET")
-
-            def do_POST(self):
-                self._handle("POST")
-
-            def do_DELETE(self):
-                self._handle("DELETE")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def answer(self, method: str, path: str, query: dict, body) -> tuple[int, dict]:
+    def _answer(self, method: str, path: str, query: dict, body) -> tuple[int, dict]:
         if path.endswith("/healthz"):
             return 200, {"multi_user": False}
         if path == "/apis/v2beta1/experiments" and method == "GET":
@@ -97,12 +61,3 @@ class KFPRecorder:
             return 200, {"pipeline_id": query["pipelineid"][0], "pipeline_version_id": uuid.uuid4().hex,
                          "display_name": query["name"][0]}
         return 404, {"error": f"not recorded: {method} {path}", "code": 5}
-
-    def __enter__(self) -> KFPRecorder:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)

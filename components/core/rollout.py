@@ -44,6 +44,15 @@ class RolloutSettings:
     policy_name: str = "policy"
     progress: bool = True
 
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> RolloutSettings:
+        """Turns, token limits, batch and top_p from a PipelineConfig; sampling at its temperature unless overridden."""
+        g = cfg.generation
+        base = dict(max_turns=cfg.sandbox.max_turns, max_new_tokens=g.max_new_tokens,
+                    max_context_tokens=g.max_context_tokens, max_live=g.batch_size, top_p=g.top_p,
+                    temperature=max(g.temperature, 1e-3), seed=cfg.run.seed)
+        return cls(**{**base, **overrides})
+
 
 @dataclass
 class _Episode:

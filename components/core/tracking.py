@@ -368,6 +368,19 @@ class PhaseRun:
         """Where this phase's own outputs live: <root>/<experiment>/<parent-run>/<phase>/<name>."""
         return storage.join(root, self.experiment, self.parent_run_id or self.run_id, self.phase, *(p for p in [name] if p))
 
+    def store_model(self, model_dir: str | os.PathLike, root: str, card: Any = None) -> str:
+        """Write `card` (if given) as the model's agentrl.json, store the directory under this phase's prefix,
+        log the card and tag the run with the stored URI. Returns the URI."""
+        if card is not None:
+            from components.core.schema import to_record
+
+            (Path(model_dir) / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
+        uri = self.storage_uri(root, "model")
+        storage.put_dir(model_dir, uri)
+        self.log_artifact(Path(model_dir) / "agentrl.json")
+        self.set_tags({"agentrl.model_uri": uri})
+        return uri
+
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         for k, v in scrub(tags).items():
             self.client.set_tag(self.run_id, k, str(v))

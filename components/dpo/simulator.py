@@ -39,10 +39,7 @@ def _sample(policy: Any, model_dir: str, cfg: PipelineConfig, make_env, tasks: l
             progress: bool) -> list[Trajectory]:
     backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
                            model_dir=model_dir, device="cuda" if cfg.run.device == "cuda" else "cpu")
-    settings = RolloutSettings(max_turns=cfg.sandbox.max_turns, max_new_tokens=cfg.generation.max_new_tokens,
-                               max_context_tokens=cfg.generation.max_context_tokens,
-                               max_live=cfg.generation.batch_size, temperature=max(cfg.generation.temperature, 1e-3),
-                               top_p=cfg.generation.top_p, seed=seed, policy_name=name, progress=progress)
+    settings = RolloutSettings.from_config(cfg, seed=seed, policy_name=name, progress=progress)
     return rollout(backend, make_env, ChatFormat(policy.tokenizer), tasks, settings, rewards=cfg.rewards)
 
 

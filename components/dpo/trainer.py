@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,7 +115,7 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
     """DPO on `train` (the reference is a frozen copy of the incoming policy); held-out metrics before/after."""
     from trl import DPOConfig as TRLDPOConfig
 
-    from components.sft.trainer import _callbacks
+    from components.sft.trainer import _callbacks, deepspeed_config
 
     d = cfg.dpo
     AgentDPOTrainer, Collator = _trainer_classes()
@@ -126,7 +125,7 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
         per_device_train_batch_size=d.batch_size, per_device_eval_batch_size=d.batch_size, max_length=d.max_length,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=use_cpu, seed=cfg.run.seed,
         data_seed=cfg.run.seed, bf16=cfg.sft.bf16, gradient_checkpointing=cfg.sft.gradient_checkpointing,
-        deepspeed=_ds(d.deepspeed, cfg.sft.bf16), dataloader_num_workers=0, lr_scheduler_type="cosine",
+        deepspeed=deepspeed_config(d.deepspeed, cfg.sft.bf16), dataloader_num_workers=0, lr_scheduler_type="cosine",
         warmup_steps=0.1, disable_tqdm=False,
     )
     pad = policy.tokenizer.pad_token_id
@@ -149,12 +148,6 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
     return stats
 
 
-def _ds(name: str | None, bf16: bool):
-    from components.sft.trainer import deepspeed_config
-
-    return deepspeed_config(name, bf16)
-
-
 # ----------------------------------------------------------------------------------------------
 # The phase
 # ----------------------------------------------------------------------------------------------
@@ -172,13 +165,12 @@ def run(
     cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
     if not policy_model:
         raise ValueError("dpo: no incoming policy (policy_model) to start from")
-    from components.evaluation.evaluate import load_sandbox, quick_eval
+    from components.evaluation.evaluate import load_sandbox, quick_eval, world_beside
 
     with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
         work = Path(os.environ.get("AGENTRL_DPO_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
         work.mkdir(parents=True, exist_ok=True)
-        if tasks_dir and not world and (Path(tasks_dir).parent / "world.json").exists():
-            world = str(Path(tasks_dir).parent / "world.json")
+        world = world_beside(tasks_dir, world) or ""
         sandbox = None
         logs_uri = cfg.dpo.ab_logs_uri or ab_logs
         if not logs_uri:  # the embedded default: simulate the deployment in the sandbox
@@ -225,12 +217,6 @@ def run(
                                             > before["safety/safety_violation_rate"])
         tracker.log_metrics(stats, step=int(stats["train_steps"]))
         card.metrics = {k: float(v) for k, v in stats.items()}
-        from components.core.schema import to_record
-
-        (out / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
-        uri = tracker.storage_uri(storage_root, "model")
-        storage.put_dir(out, uri)
+        uri = tracker.store_model(out, storage_root, card)
         storage.put_dir(work / "pairs", tracker.storage_uri(storage_root, "pairs"))
-        tracker.log_artifact(out / "agentrl.json")
-        tracker.set_tags({"agentrl.model_uri": uri})
         return DPOResult(tracker.parent_run_id, tracker.run_id, str(out), uri, stats)

@@ -146,19 +146,17 @@ def evaluate_policy(policy, cfg: PipelineConfig, sandbox: Sandbox, suites: Seque
                                model_dir=model_dir, device="cuda" if cfg.run.device == "cuda" else "cpu")
     k = cfg.eval.pass_k if pass_k is None else pass_k
     make_env = env_factory or (lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards))
-    base = dict(max_turns=cfg.sandbox.max_turns, max_new_tokens=cfg.generation.max_new_tokens,
-                max_context_tokens=cfg.generation.max_context_tokens, max_live=cfg.generation.batch_size,
-                seed=cfg.run.seed, progress=progress, top_p=cfg.generation.top_p)
     results: dict[str, Any] = {"metrics": {}, "trajectories": {}, "levels": {}}
     for suite in suites:
         tasks = sandbox.suites[suite][:max_tasks] if max_tasks else sandbox.suites[suite]
-        greedy = rollout(backend, make_env, fmt, tasks, RolloutSettings(temperature=0.0, policy_name="eval", **base),
+        greedy = rollout(backend, make_env, fmt, tasks, RolloutSettings.from_config(cfg, temperature=0.0, policy_name="eval",
+                                                                        progress=progress),
                          rewards=cfg.rewards)
         samples: list[list[Trajectory]] = []
         if k > 1:
             sampled = rollout(backend, make_env, fmt, tasks,
-                              RolloutSettings(group_size=k, temperature=max(cfg.generation.temperature, 1e-3),
-                                              policy_name="eval-sample", **base), rewards=cfg.rewards)
+                              RolloutSettings.from_config(cfg, group_size=k, policy_name="eval-sample",
+                                                          progress=progress), rewards=cfg.rewards)
             samples = [sampled[i * k:(i + 1) * k] for i in range(len(tasks))]
         results["metrics"][suite] = suite_metrics(greedy, samples, cfg.eval.bootstrap_samples, cfg.eval.confidence,
                                                   cfg.run.seed)
@@ -172,11 +170,17 @@ def flat(metrics: dict[str, dict[str, dict[str, Any]]], prefix: str = "") -> dic
     return {f"{prefix}{s}/{m}": v["value"] for s, ms in metrics.items() for m, v in ms.items()}
 
 
+def world_beside(tasks_dir: str | None, world: str | None) -> str | None:
+    """`world` if given, else the world.json of the sandbox_build output that holds `tasks_dir`."""
+    if tasks_dir and not world and (Path(tasks_dir).parent / "world.json").exists():
+        return str(Path(tasks_dir).parent / "world.json")
+    return world or None
+
+
 def quick_eval(model_dir: str, cfg: PipelineConfig, tasks_dir: str | None, suites: Sequence[str],
                world_path: str | None = None) -> dict[str, float]:
     """Greedy TGC etc. on a few held-out suites (no pass@k): what training phases log as their held-out metrics."""
-    if tasks_dir and not world_path and (Path(tasks_dir).parent / "world.json").exists():
-        world_path = str(Path(tasks_dir).parent / "world.json")  # a sandbox_build output directory
+    world_path = world_beside(tasks_dir, world_path)
     sandbox = load_sandbox(cfg, world_path, tasks_dir)
     res = evaluate_model(model_dir, cfg, sandbox, suites, pass_k=1, progress=False)
     return flat(res["metrics"])

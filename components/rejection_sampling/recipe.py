@@ -16,7 +16,6 @@ passes through unchanged and the run says so (`tasks_covered` = 0) — never a s
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -29,7 +28,7 @@ from components.core.buffer import TrajectoryBuffer
 from components.core.generation import make_backend
 from components.core.policy import add_lora, load_policy, save_policy
 from components.core.rollout import RolloutSettings, rollout
-from components.core.schema import ModelCard, Task, Trajectory, to_record, write_jsonl
+from components.core.schema import ModelCard, Task, Trajectory, write_jsonl
 from components.core.tokens import ChatFormat
 from components.core.tracking import phase_run, setup_phase
 
@@ -82,13 +81,12 @@ def run(
     cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
     if not policy_model:
         raise ValueError("rejection_sampling: no incoming policy (policy_model) to start from")
-    from components.evaluation.evaluate import load_sandbox, quick_eval
+    from components.evaluation.evaluate import load_sandbox, quick_eval, world_beside
     from components.sandbox.env import WorkspaceEnv
     from components.sft.trainer import demo_example, train_sft
 
     rs = cfg.rejection_sampling
-    if tasks_dir and not world and (Path(tasks_dir).parent / "world.json").exists():
-        world = str(Path(tasks_dir).parent / "world.json")
+    world = world_beside(tasks_dir, world) or ""
     with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
         work = Path(os.environ.get("AGENTRL_RS_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
         work.mkdir(parents=True, exist_ok=True)
@@ -100,11 +98,7 @@ def run(
         fmt = ChatFormat(policy.tokenizer)
 
         def sample(tasks: list[Task], n: int, seed: int) -> list[Trajectory]:
-            settings = RolloutSettings(
-                group_size=n, max_turns=cfg.sandbox.max_turns, max_new_tokens=cfg.generation.max_new_tokens,
-                max_context_tokens=cfg.generation.max_context_tokens, max_live=cfg.generation.batch_size,
-                temperature=max(cfg.generation.temperature, 1e-3), top_p=cfg.generation.top_p, seed=seed,
-                policy_name="rs-sample")
+            settings = RolloutSettings.from_config(cfg, group_size=n, seed=seed, policy_name="rs-sample")
             return rollout(backend, lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards), fmt, tasks,
                            settings, rewards=cfg.rewards)
 
@@ -161,10 +155,6 @@ def run(
         metrics[f"gain/{rs.eval_suite}/tgc"] = after[f"{rs.eval_suite}/tgc"] - before[f"{rs.eval_suite}/tgc"]
         tracker.log_metrics(metrics, step=1)
         card.metrics = dict(metrics)
-        (out / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
-        uri = tracker.storage_uri(storage_root, "model")
-        storage.put_dir(out, uri)
+        uri = tracker.store_model(out, storage_root, card)
         storage.put_dir(work / "kept", tracker.storage_uri(storage_root, "kept"))
-        tracker.log_artifact(out / "agentrl.json")
-        tracker.set_tags({"agentrl.model_uri": uri})
         return RSResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics)

@@ -227,10 +227,7 @@ def run(
             tracker.log_metrics(held, step=int(stats["train_steps"]))
             card.metrics = {k: float(v) for k, v in held.items()}
             (out / "agentrl.json").write_text(json.dumps(_card_record(card), indent=1))
-        uri = tracker.storage_uri(storage_root, "model")
-        storage.put_dir(out, uri)
-        tracker.log_artifact(out / "agentrl.json")
-        tracker.set_tags({"agentrl.model_uri": uri})
+        uri = tracker.store_model(out, storage_root)
         return SFTResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics)
 
 

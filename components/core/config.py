@@ -319,6 +319,7 @@ class RepairConfig(_Section):
     every_k_steps: int = Field(0, ge=0, description="0 = only on alarms")
     on_alarm: bool = True
     sft_steps: int = Field(10, ge=1)
+    learning_rate: float = Field(1e-4, gt=0, lt=1, description="of the repair SFT steps")
     off_policy_expert: bool = Field(False, description="replace one of the G rollouts by an expert trajectory")
 
 
@@ -346,7 +347,21 @@ class GRPOConfig(_Section):
     monitor: CollapseMonitorConfig = Field(default_factory=CollapseMonitorConfig)
     repair: RepairConfig = Field(default_factory=RepairConfig)
     eval_every: int = Field(10, ge=0, description="0 = only at the end")
+    eval_suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
+        default_factory=lambda: ["easy", "hard"], description="held-out suites of the periodic evaluation"
+    )
+    eval_max_tasks: int | None = Field(None, ge=1, description="tasks per suite in the periodic evaluation; None = all")
+    output: Literal["best", "last"] = Field("best", description="the model handed on: best held-out or last step")
     checkpoint_every: int = Field(10, ge=1)
+    checkpoint_uri: str | None = Field(
+        None, description="where checkpoints live (path or s3://); None = <storage.root or AGENTRL_HOME>/checkpoints/"
+                          "<parent run>/grpo — the same on a KFP retry, so the retry resumes")
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    resume: bool = Field(True, description="continue from the latest complete checkpoint when one exists")
+    temperature: float = Field(1.0, gt=0, le=5, description="sampling temperature of the rollouts")
+    bf16: bool = False
+    torch_threads: int | None = Field(2, ge=1, le=512, description="CPU threads; None = run.torch_threads")
+    max_minutes: float | None = Field(None, gt=0, description="wall-clock budget for training (None = steps decide)")
     deepspeed: str | None = None
     multi_node: MultiNodeConfig = Field(default_factory=MultiNodeConfig)
 

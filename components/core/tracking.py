@@ -149,8 +149,10 @@ class PhaseRun:
         tags: Mapping[str, str] | None = None,
         buffer_dir: str | os.PathLike | None = None,
         close_parent: bool = True,
+        resume_run_id: str | None = None,
     ) -> None:
         self.phase = phase
+        self.resume_run_id = resume_run_id  # continue this run (a phase resumed from its checkpoint)
         self.close_parent = close_parent
         self.config = config
         tcfg = config.tracking if config else None
@@ -191,12 +193,14 @@ class PhaseRun:
         return ensure_experiment(self.client, self.experiment, self.tracking_uri)
 
     def start(self) -> PhaseRun:
-        injected = os.environ.get("MLFLOW_RUN_ID")
+        injected = os.environ.get("MLFLOW_RUN_ID") or self.resume_run_id
         if injected:
             run = self.client.get_run(injected)
             self.run_id = injected
             self.experiment_id = run.info.experiment_id
             self.parent_run_id = run.data.tags.get("mlflow.parentRunId", self.parent_run_id)
+            if self.resume_run_id and run.info.status != "RUNNING":
+                self.client.update_run(injected, status="RUNNING")
         else:
             self.experiment_id = self._experiment_id()
             if not self.parent_run_id:
@@ -209,16 +213,24 @@ class PhaseRun:
             run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
             self.run_id = run.info.run_id
         self._buffer = MetricBuffer(self.buffer_root / f"{self.run_id}.jsonl")
-        if self.config is not None:
+        if self.config is not None and not self.resume_run_id:  # params are write-once in MLflow
             self.log_params(flatten(self.config.to_dict()))
         return self
+
+    def last_steps(self, keys: set[str]) -> dict[str, int]:
+        """The highest step logged so far for each key (a resumed run logs only later steps)."""
+        out = {}
+        for k in keys:
+            hist = self.client.get_metric_history(self.run_id, self.key(k))
+            out[k] = max((int(m.step) for m in hist), default=-1)
+        return out
 
     def end(self, status: str = "FINISHED") -> None:
         if self.run_id is None:
             return
         self.flush(final=True)
         try:
-            if not os.environ.get("MLFLOW_RUN_ID") or os.environ["MLFLOW_RUN_ID"] != self.run_id:
+            if os.environ.get("MLFLOW_RUN_ID") != self.run_id:
                 self.client.set_terminated(self.run_id, status=status)
             if self.created_parent and self.close_parent:
                 self.client.set_terminated(self.parent_run_id, status=status)

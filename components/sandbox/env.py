@@ -288,7 +288,7 @@ class WorkspaceEnv:
         self.called |= code_info.called
         if new_defs:
             info["skills_defined"] = sorted(new_defs)
-        library_names = {s.name for s in self.retrieved}
+        library_names = {s.name for s in self.retrieved} - set(self.defined)  # a rewritten skill is not reused
         used = sorted(code_info.called & library_names)
         if used:
             info["skills_used"] = used

@@ -1,0 +1,123 @@
+"""The GRPO phase end to end on the tiny model: a scripted sampler where behaviour must be chosen
+(rollouts), real training, evaluation, checkpoints and MLflow everywhere else."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+from mlflow import MlflowClient
+
+from components.core.config import load_config
+from components.core.policy import load_policy
+from components.grpo import trainer
+from components.sandbox.expert import render_code, render_json
+from tests.helpers.scripted import ScriptedBackend, expert_script
+
+pytestmark = pytest.mark.slow
+
+
+def _overrides(tmp_path, **grpo):
+    return {"run": {"home": str(tmp_path / "home")},
+            "sandbox": {"max_turns": 4, "suite_sizes": {"easy": 4, "hard": 4}},
+            "generation": {"max_new_tokens": 32},
+            "grpo": {"steps": 3, "tasks_per_step": 3, "group_size": 2, "micro_batch_size": 4, "eval_every": 2,
+                     "eval_max_tasks": 3, "checkpoint_every": 2, "learning_rate": 1e-4, "torch_threads": 1,
+                     "checkpoint_uri": str(tmp_path / "ckpt"),
+                     "curriculum": {"start_mix": {1: 1.0}}, **grpo}}
+
+
+def _metrics(home, run_id):
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    return client, client.get_run(run_id).data.metrics
+
+
+def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypatch, tiny_model_dir):
+    ov = _overrides(tmp_path, repair={"every_k_steps": 2, "sft_steps": 1})
+    cfg = load_config(overrides_json=json.dumps(ov))
+    from components.evaluation.evaluate import load_sandbox
+
+    sb = load_sandbox(cfg)
+    tok = load_policy(str(tiny_model_dir)).tokenizer
+    expert, rng = expert_script(sb), random.Random(0)
+
+    def sometimes(prompt: str) -> str:  # the expert, but half its episodes give up at once: rewards vary
+        if "<|tool|>" not in prompt and rng.random() < 0.5:
+            return render_json("Nothing to do.", "finish", {})
+        return expert(prompt)
+
+    monkeypatch.setattr(trainer, "make_backend", lambda *a, **k: ScriptedBackend(tok, sometimes))
+    monkeypatch.setenv("AGENTRL_GRPO_WORKDIR", str(tmp_path / "work"))
+    before = {n: p.detach().clone() for n, p in load_policy(str(tiny_model_dir)).model.named_parameters()}
+    res = trainer.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out"))
+    assert res.steps_done == 3 and res.resumed_from is None
+    client, m = _metrics(tmp_path / "home", res.run_id)
+    hist = [x.step for x in client.get_metric_history(res.run_id, "grpo/reward_mean")]
+    assert hist == [1, 2, 3]
+    assert 0 < m["grpo/success_rate"] < 1 and m["grpo/trained_tokens"] > 0 and m["grpo/grad_norm"] > 0
+    assert m["grpo/monitor/kl"] >= 0 and "grpo/monitor/control_prob_ratio" in m
+    assert [x.step for x in client.get_metric_history(res.run_id, "grpo/heldout/easy/tgc")] == [0, 2, 3]
+    assert m["grpo/repair/sft_loss"] > 0 or any(x.value > 0 for x in client.get_metric_history(res.run_id, "grpo/repair/sft_loss"))
+    # checkpoints: the last two, complete, named by step; the state says where to resume
+    steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-00000002", "step-00000003"]
+    state = json.loads((tmp_path / "ckpt" / "step-00000003" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["run_id"] == res.run_id and "frontier" in state["curriculum"]
+    # the model handed on is trained and carries its card
+    after = load_policy(str(tmp_path / "out")).model
+    assert any((p - before[n]).abs().max() > 0 for n, p in after.named_parameters())
+    card = json.loads((tmp_path / "out" / "agentrl.json").read_text())
+    assert card["phase"] == "grpo" and card["extra"]["steps"] == 3
+    # a second start finds the finished run's checkpoint: nothing left to do, no step logged twice
+    again = trainer.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out2"))
+    assert again.resumed_from == 3 and again.run_id == res.run_id
+    assert [x.step for x in client.get_metric_history(res.run_id, "grpo/reward_mean")] == [1, 2, 3]
+
+
+def code_script(sandbox, reuse: bool):
+    """A code-form agent: defines the task's skill (or calls it when the library offers it), then finishes."""
+    by_instruction = {t.instruction: t for ts in sandbox.suites.values() for t in ts}
+
+    def script(prompt: str) -> str:
+        task = next(t for i, t in by_instruction.items() if i in prompt)
+        if "<|tool|>" in prompt:
+            return render_json("Done.", "finish", {})
+        sk = task.solution["skill"]
+        offered = re.search(r"Skills you can call: (.*)", prompt)
+        if reuse and offered and sk["name"] in offered.group(1):
+            return render_code(f"I will use {sk['name']}.", sk["call"] + "\napis.finish()")
+        return render_code("I will write it.", sk["source"] + "\n\n" + sk["call"] + "\napis.finish()")
+
+    return script
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_sage_chains_carry_skills_and_reward_reuse(tmp_path, monkeypatch, tiny_model_dir, reuse):
+    ov = _overrides(tmp_path, steps=1, eval_every=0, eval_suites=["easy"], sage={"enabled": True},
+                    group_size=2, tasks_per_step=2)
+    ov["sandbox"]["action_format"] = "code"
+    cfg = load_config(overrides_json=json.dumps(ov))
+    from components.evaluation.evaluate import load_sandbox
+
+    sb = load_sandbox(cfg)
+    tok = load_policy(str(tiny_model_dir)).tokenizer
+    monkeypatch.setattr(trainer, "make_backend", lambda *a, **k: ScriptedBackend(tok, code_script(sb, reuse)))
+    seen = []
+    orig = trainer.episode_rewards
+    monkeypatch.setattr(trainer, "episode_rewards", lambda chains, c: seen.append(chains) or orig(chains, c))
+    res = trainer.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir))
+    chains = [ch for grp in seen for ch in grp]
+    assert chains and all(len(ch) == 2 for ch in chains)
+    assert all(ch[0].chain_id == ch[1].chain_id and ch[0].meta["scenario_id"] == ch[1].meta["scenario_id"]
+               for ch in chains)
+    solved = [ch for ch in chains if ch[0].verdict.success and ch[1].verdict.success]
+    assert solved
+    m = res.metrics
+    if reuse:  # R1 = R2 = 2 when both are solved and task 2 called task 1's skill
+        assert m["sage/skill_from_first"] > 0 and m["skill_reuse_rate"] > 0
+        assert any(orig([ch], cfg)[0] == [2.0, 2.0] for ch in solved)
+    else:
+        assert m["sage/skill_from_first"] == 0
+        assert all(orig([ch], cfg)[0] == [1.0, 1.0] for ch in solved)

@@ -1,0 +1,151 @@
+"""The GRPO loop's small pieces: advantages, curriculum, loss, monitor, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from components.core.config import CollapseMonitorConfig, CurriculumConfig
+from components.core.schema import Task, Turn, Verifier
+from components.grpo.advantages import group_advantages, returns_to_go, turn_advantages, zero_variance
+from components.grpo.checkpoint import Checkpoints
+from components.grpo.curriculum import Curriculum
+from components.grpo.loss import Sample, collate, grpo_loss, sample_from_turns, token_logprobs
+from components.grpo.monitor import CollapseMonitor
+
+
+def test_group_advantages_estimators():
+    r = [1.0, 0.0, 0.0, 1.0]
+    a = group_advantages(r, "grpo")
+    assert sum(a) == pytest.approx(0.0, abs=1e-9) and a[0] > 0 > a[1]
+    std = (sum((x - 0.5) ** 2 for x in r) / 3) ** 0.5
+    assert a[0] == pytest.approx(0.5 / std, rel=1e-5)
+    assert group_advantages(r, "drgrpo") == [0.5, -0.5, -0.5, 0.5]
+    # leave-one-out: 1 - mean(0, 0, 1) = 2/3
+    assert group_advantages(r, "rloo")[0] == pytest.approx(2 / 3)
+    assert group_advantages([0.3, 0.3], "grpo") == [0.0, 0.0]
+    assert zero_variance([0.3, 0.3]) and not zero_variance([0.3, 0.4])
+    with pytest.raises(ValueError, match="grpo.advantage"):
+        group_advantages(r, "ppo")
+
+
+def test_turn_advantages_use_returns_to_go():
+    assert returns_to_go([0.1, 0.2, 1.0]) == pytest.approx([1.3, 1.2, 1.0])
+    adv = turn_advantages([[0.0, 1.0], [0.0, -1.0]], "drgrpo")
+    # returns: [1, 1] and [-1, -1]; mean 0
+    assert adv == [[1.0, 1.0], [-1.0, -1.0]]
+    assert [len(x) for x in turn_advantages([[1.0], [0.0, 0.0, 0.0]], "grpo")] == [1, 3]
+
+
+def _tasks():
+    return {lv: [Task(id=f"t{lv}-{i}", scenario_id=f"s{lv}", level=lv, suite="train", instruction="x",
+                      user_id="u", verifier=Verifier("state", {})) for i in range(3)] for lv in range(1, 6)}
+
+
+def test_curriculum_starts_easy_moves_up_and_keeps_easy_tasks():
+    cfg = CurriculumConfig(start_mix={1: 0.4, 2: 0.4, 3: 0.2}, window=10)
+    cur = Curriculum(cfg)
+    assert cur.frontier == 3 and cur.mix() == pytest.approx({1: 0.4, 2: 0.4, 3: 0.2})
+    drawn = cur.sample(_tasks(), 2000, random.Random(0))
+    assert {t.level for t in drawn} == {1, 2, 3}
+    assert sum(t.level <= 2 for t in drawn) / 2000 == pytest.approx(0.8, abs=0.03)
+    for _ in range(10):
+        cur.record(3, True)
+    assert cur.update() and cur.frontier == 4
+    mix = cur.mix()
+    assert 4 in mix and cfg.easy_fraction_min <= mix[1] <= cfg.easy_fraction_max and sum(mix.values()) == pytest.approx(1)
+    for _ in range(10):
+        cur.record(4, False)
+    assert not cur.update() and cur.frontier == 4  # not mastered: stays
+    state = json.loads(json.dumps(cur.state_dict()))
+    again = Curriculum(cfg)
+    again.load_state_dict(state)
+    assert again.frontier == 4 and again.success(4) == 0.0 and again.mix() == mix
+    cur.frontier = 5
+    assert cur.mix() == pytest.approx(cfg.final_mix)
+
+
+def test_sample_masks_and_turn_advantages():
+    turns = [Turn("system", "s", tokens=[], mask=[]), Turn("user", "u", tokens=[1, 2, 3], mask=[0, 0, 0]),
+             Turn("assistant", "a", tokens=[4, 5], mask=[1, 1]), Turn("tool", "o", tokens=[6], mask=[0]),
+             Turn("assistant", "b", tokens=[7, 8], mask=[1, 1])]
+    s = sample_from_turns(turns, [0.5, -1.0])
+    assert s.ids == [1, 2, 3, 4, 5, 6, 7, 8] and s.mask == [0, 0, 0, 1, 1, 0, 1, 1]
+    assert s.advantages == [0, 0, 0, 0.5, 0.5, 0, -1.0, -1.0] and s.n_agent == 4
+    b = collate([s, Sample([1, 2], [0, 1], [0, 2.0])], pad_id=0)
+    assert b.targets.shape == (2, 7) and b.mask[1].tolist() == [1, 0, 0, 0, 0, 0, 0]  # padding is never a target
+
+
+def test_loss_on_policy_is_minus_mean_advantage_and_clips():
+    torch.manual_seed(0)
+    adv = torch.tensor([[1.0, -1.0, 2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    b = type("B", (), {"mask": mask, "advantages": adv})()
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
+    loss, st = grpo_loss(logp, logp, None, b, clip_eps=0.2, clip_eps_high=0.2, beta=0.0, aggregation="token_mean",
+                         norm=3.0)
+    assert float(loss) == pytest.approx(-(1 - 1 + 2) / 3) and st["clip_fraction"] == 0.0 and st["kl"] == 0.0
+    # ratio 2 on a positive advantage is clipped at 1.2; on a negative one it is not
+    loss, st = grpo_loss(logp + torch.log(torch.tensor(2.0)), logp, None, b, clip_eps=0.2, clip_eps_high=0.2,
+                         beta=0.0, aggregation="token_mean", norm=3.0)
+    assert float(loss) == pytest.approx(-(1.2 * 1 + 2 * -1 + 1.2 * 2) / 3)
+    assert st["clip_fraction"] == pytest.approx(2 / 3)
+    # k3 KL: 0 at the reference, > 0 away from it
+    _, st = grpo_loss(logp, logp, logp - 0.5, b, clip_eps=0.2, clip_eps_high=0.2, beta=0.1, aggregation="token_mean",
+                      norm=3.0)
+    assert st["kl"] == pytest.approx(float(torch.exp(torch.tensor(-0.5)) + 0.5 - 1), rel=1e-5)
+
+
+def test_micro_batches_add_up_to_the_full_batch_gradient(tiny_model_dir):
+    from components.core.policy import load_policy
+
+    policy = load_policy(str(tiny_model_dir), trainable=True)
+    rng = random.Random(0)
+    samples = [Sample(ids := [rng.randrange(5, 200) for _ in range(rng.randrange(6, 14))],
+                      m := [0, 0] + [1] * (len(ids) - 2), [rng.uniform(-1, 1) * x for x in m]) for _ in range(4)]
+    norm = float(sum(s.n_agent for s in samples))
+
+    def grads(groups):
+        policy.model.zero_grad()
+        for grp in groups:
+            b = collate(grp, pad_id=0)
+            lp, _ = token_logprobs(policy.model, b)
+            loss, _ = grpo_loss(lp, lp.detach(), None, b, clip_eps=0.2, clip_eps_high=0.2, beta=0.0,
+                                aggregation="token_mean", norm=norm)
+            loss.backward()
+        return torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None])
+
+    whole, parts = grads([samples]), grads([samples[:1], samples[1:3], samples[3:]])
+    assert torch.allclose(whole, parts, atol=1e-6)
+
+
+def test_monitor_alarms():
+    mon = CollapseMonitor(CollapseMonitorConfig())
+    assert mon.check({"format_error_rate": 0.0, "entropy": 1.0, "kl": 0.01, "zero_variance_groups": 0.2}) == []
+    assert mon.control_ratio(0.8, None) == 1.0  # the first measurement is the SFT baseline
+    assert mon.control_ratio(0.2, None) == pytest.approx(0.25)
+    alarms = mon.check({"control_prob_ratio": 0.25, "format_error_rate": 0.9, "entropy": 0.0, "kl": 5.0,
+                        "zero_variance_groups": 1.0})
+    assert alarms == ["control_prob", "format_error", "entropy", "kl", "zero_variance"]
+    assert mon.state_dict()["alarms_total"]["kl"] == 1
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_checkpoints_are_atomic_and_pruned(tmp_path, where, request):
+    root = str(tmp_path / "ckpt") if where == "local" else f"s3://{request.getfixturevalue('bucket')}/run/grpo"
+    ck = Checkpoints(root, staging=tmp_path / "staging", keep=2)
+    assert ck.latest() is None
+    for step in (1, 2, 3):
+        ck.save(step, lambda d: (d / "weights.bin").write_bytes(b"w" * step), {"run_id": "r", "x": step})
+    assert [s for s, _ in ck.complete()] == [2, 3]  # the oldest went
+    # a half-written newer checkpoint (no manifest) is ignored
+    from components.core import storage
+
+    storage.write_bytes(storage.join(root, "step-00000009", "weights.bin"), b"partial")
+    step, uri = ck.latest()
+    assert step == 3
+    local, state = ck.fetch(uri)
+    assert state == {"step": 3, "run_id": "r", "x": 3} and (local / "weights.bin").read_bytes() == b"www"

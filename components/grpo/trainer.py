@@ -403,35 +403,35 @@ def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, con
     if len(mbs) != acc.gradient_accumulation_steps:
         raise RuntimeError(f"grpo: {len(mbs)} micro-batches, accelerate expects {acc.gradient_accumulation_steps}")
     norm = float(sum(s.n_agent for s in batch)) if g.loss_aggregation == "token_mean" else float(len(batch))
-    # the sampling policy's log-probs (old) and the reference's, before any update
-    olds, refs = [], []
+    # the reference's log-probs; the sampling policy's (old) only when several epochs reuse the batch: with
+    # one epoch the batch is on-policy and old = the current log-probs, detached (ratio 1, as TRL does)
+    refs: list = [None] * len(mbs)
+    olds: list = [None] * len(mbs)
     cp = [0.0, 0.0, 0.0, 0.0]  # control-token prob: policy sum, count, reference sum, count
     with torch.no_grad():
-        for mb in mbs:
-            lp, _ = token_logprobs(model, mb)
-            olds.append(lp)
-            s, n = control_prob(lp, mb, control_ids)
-            cp[0] += s
-            cp[1] += n
+        for i, mb in enumerate(mbs):
             if ref is not None:
-                rl, _ = token_logprobs(ref, mb)
-                refs.append(rl)
-                s, n = control_prob(rl, mb, control_ids)
-                cp[2] += s
-                cp[3] += n
-            else:
-                refs.append(None)
+                refs[i], _ = token_logprobs(ref, mb)
+                s_, n_ = control_prob(refs[i], mb, control_ids)
+                cp[2] += s_
+                cp[3] += n_
+            if g.epochs_per_batch > 1:
+                olds[i], _ = token_logprobs(model, mb)
     high = g.clip_eps_high if g.clip_eps_high is not None else g.clip_eps
     totals: dict[str, float] = defaultdict(float)
     grad_norm = 0.0
     n_tokens = max(1.0, float(sum(s.n_agent for s in batch)))
     ga = acc.gradient_accumulation_steps  # = len(mbs): one optimizer step per epoch over the whole batch
-    for _ in range(g.epochs_per_batch):
+    for epoch in range(g.epochs_per_batch):
         for mb, old, rl in zip(mbs, olds, refs, strict=True):
             with acc.accumulate(model):
                 logp, ent = token_logprobs(model, mb, with_entropy=True)
-                loss, st = grpo_loss(logp, old, rl, mb, clip_eps=g.clip_eps, clip_eps_high=high, beta=g.beta,
-                                     aggregation=g.loss_aggregation, norm=norm)
+                if epoch == 0:  # no optimizer step has happened yet: the incoming policy's control tokens
+                    s_, n_ = control_prob(logp, mb, control_ids)
+                    cp[0] += s_
+                    cp[1] += n_
+                loss, st = grpo_loss(logp, logp.detach() if old is None else old, rl, mb, clip_eps=g.clip_eps,
+                                     clip_eps_high=high, beta=g.beta, aggregation=g.loss_aggregation, norm=norm)
                 acc.backward(loss * ga)  # accelerate (and DeepSpeed) divide by the accumulation steps
                 if acc.sync_gradients:
                     grad_norm = float(acc.clip_grad_norm_(model.parameters(), g.max_grad_norm))

@@ -18,7 +18,7 @@ def main() -> int:
 
     from components.core.tiny import set_torch_threads
     from components.core.tracking import local_tracking_uri
-    from tests.benchmarks import core, runtime, sandbox
+    from tests.benchmarks import core, grpo, runtime, sandbox
     from tests.helpers.servers import MotoServer
 
     set_torch_threads(1)
@@ -41,6 +41,7 @@ def main() -> int:
                 ("schema", lambda: core.bench_schema(results)),
                 ("sandbox", lambda: sandbox.bench_sandbox(results)),
                 ("rollout", lambda: runtime.bench_rollout(results)),
+                ("grpo", lambda: grpo.bench_grpo(results)),
             ]
             only = set(sys.argv[1:])
             for name, fn in steps:

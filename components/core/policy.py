@@ -142,12 +142,15 @@ def merged(policy: Policy) -> Policy:
     return Policy(policy.model.merge_and_unload(), policy.tokenizer, policy.source, policy.card)
 
 
-def save_policy(policy: Policy, out: str | os.PathLike, card: ModelCard, merge: bool = False) -> Path:
-    """Save model (or adapter) + tokenizer + agentrl.json into `out`, replaced whole (atomic rename)."""
+def save_policy(policy: Policy, out: str | os.PathLike, card: ModelCard, merge: bool = False,
+                state_dict: dict | None = None) -> Path:
+    """Save model (or adapter) + tokenizer + agentrl.json into `out`, replaced whole (atomic rename).
+
+    `state_dict`: the full weights when the module's own are sharded (DeepSpeed ZeRO-3 gathers them)."""
     out = Path(out)
     pol = merged(policy) if merge else policy
     with storage.staged_dir(out) as staging:
-        pol.model.save_pretrained(staging)
+        pol.model.save_pretrained(staging, **({"state_dict": state_dict} if state_dict is not None else {}))
         pol.tokenizer.save_pretrained(staging)
         card.kind = "lora" if pol.is_lora else "full"
         (staging / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))

@@ -164,8 +164,9 @@ def run(
         raise ValueError("grpo: no incoming policy (policy_model) to start from — the SFT model")
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, set_seed
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, set_seed
     from transformers import get_constant_schedule
+    from trl.models import unwrap_model_for_generation
 
     from components.evaluation.evaluate import evaluate_policy, flat, load_sandbox, world_beside
     from components.sandbox.env import WorkspaceEnv
@@ -253,8 +254,9 @@ def run(
             return lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards, library=SkillLibrary())
 
         def evaluate_now(step: int) -> dict[str, float]:
-            res = evaluate_policy(policy, cfg, sandbox, g.eval_suites, pass_k=1, max_tasks=g.eval_max_tasks,
-                                  progress=False, backend=backend)
+            with unwrap_model_for_generation(model, acc):
+                res = evaluate_policy(policy, cfg, sandbox, g.eval_suites, pass_k=1, max_tasks=g.eval_max_tasks,
+                                      progress=False, backend=backend)
             held = {f"heldout/{k}": v for k, v in flat(res["metrics"]).items()}
             held["heldout/tgc_mean"] = sum(held[f"heldout/{s}/tgc"] for s in g.eval_suites) / len(g.eval_suites)
             log(held, step)
@@ -280,7 +282,8 @@ def run(
                                                    seed=cfg.run.seed * 1_000_003 + step, policy_name="grpo",
                                                    progress=False)
             model.eval()
-            flat_trajs = rollout(backend, env_factory(), fmt, chains, settings, rewards=cfg.rewards)
+            with unwrap_model_for_generation(model, acc):  # gathers ZeRO-3 shards for generation; else a no-op
+                flat_trajs = rollout(backend, env_factory(), fmt, chains, settings, rewards=cfg.rewards)
             samples = [flat_trajs[i:i + L] for i in range(0, len(flat_trajs), L)]  # per sampled chain
             groups = [samples[i * g.group_size:(i + 1) * g.group_size] for i in range(len(chains))]
             if g.repair.off_policy_expert:
@@ -353,7 +356,7 @@ def run(
                     # one directory per best step: a resumed run trusts only the one its checkpoint names
                     best = {"score": held["heldout/tgc_mean"], "step": done, "metrics": held,
                             "dir": str(work / f"best-step-{done:08d}")}
-                    _save_trainable(acc.unwrap_model(model), Path(best["dir"]))
+                    _save_trainable(acc, model, Path(best["dir"]))
             if done % g.checkpoint_every == 0 or done == g.steps:
                 acc.wait_for_everyone()
                 ckpts.save(done, lambda d: acc.save_state(str(d / "accelerate")),
@@ -376,12 +379,20 @@ def run(
         best_dir = Path(best.get("dir") or work / "no-best")
         use_best = g.output == "best" and best_dir.exists() and best["score"] > final["heldout/tgc_mean"]
         policy.model = acc.unwrap_model(model)
+        # under ZeRO-3 the module holds shards: gather the full weights to save them
+        full = acc.get_state_dict(model) if acc.distributed_type == DistributedType.DEEPSPEED else None
         if use_best:
-            _load_trainable(policy.model, best_dir)
+            import torch
+
+            best_weights = torch.load(best_dir / "trainable.pt", map_location="cpu")
+            if full is not None:
+                full.update(best_weights)
+            else:
+                _load_trainable(policy.model, best_weights)
             final = best["metrics"]
         metrics = {**{k: float(v) for k, v in last.items()}, **final, "best_step": float(best["step"] if use_best else steps_done)}
         card.metrics = {k: float(v) for k, v in final.items()}
-        save_policy(policy, out, card, merge=False)
+        save_policy(policy, out, card, merge=False, state_dict=full)
         log({"final/" + k.removeprefix("heldout/"): v for k, v in final.items()}, steps_done)
         uri = tracker.store_model(out, storage_root, card)
         for d in work.glob("best-step-*"):
@@ -529,22 +540,30 @@ def _ds_config(g) -> dict[str, Any]:
     return conf
 
 
-def _save_trainable(model, d: Path) -> None:
-    """The trainable tensors only (a LoRA adapter, or every weight of a full fine-tune)."""
+def _save_trainable(acc, model, d: Path) -> None:
+    """The trainable tensors only (a LoRA adapter, or every weight of a full fine-tune); gathered under ZeRO-3."""
     import torch
+
+    from accelerate.utils import DistributedType
 
     d.mkdir(parents=True, exist_ok=True)
-    state = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-    torch.save(state, d / "trainable.pt")
+    unwrapped = acc.unwrap_model(model)
+    names = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        state = {n: t for n, t in acc.get_state_dict(model).items() if n in names}
+    else:
+        state = {n: p.detach().cpu().clone() for n, p in unwrapped.named_parameters() if n in names}
+    if acc.is_main_process:
+        torch.save(state, d / "trainable.pt")
 
 
-def _load_trainable(model, d: Path) -> None:
+def _load_trainable(model, state: dict) -> None:
     import torch
 
-    missing = set(torch.load(d / "trainable.pt", map_location="cpu")) - {n for n, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
+    missing = set(state) - set(params)
     if missing:
-        raise RuntimeError(f"grpo: the best checkpoint {d} holds tensors the model lacks: {sorted(missing)[:3]}")
+        raise RuntimeError(f"grpo: the best checkpoint holds tensors the model lacks: {sorted(missing)[:3]}")
     with torch.no_grad():
-        params = dict(model.named_parameters())
-        for n, t in torch.load(d / "trainable.pt", map_location="cpu").items():
+        for n, t in state.items():
             params[n].copy_(t)

@@ -159,6 +159,10 @@ def train_sft(
         # collective under DDP / DeepSpeed ZeRO-3 (gathers the shards); every rank must call it
         trainer.save_model(str(save_to))
     policy.model.eval()
+    if trainer.is_deepspeed_enabled:  # models loaded later in this process (evaluation) must not be ZeRO-3 partitioned
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
     return {"train_loss": float(out.training_loss), "train_seconds": seconds, "train_steps": float(out.global_step),
             "train_examples": float(len(dataset)), "train_tokens_per_epoch": float(tokens),
             "world_size": float(args.world_size), "deepspeed": float(bool(trainer.is_deepspeed_enabled))}
@@ -203,7 +207,8 @@ def run(
 
             set_torch_threads(cfg.sft.torch_threads)
         work = Path(os.environ.get("AGENTRL_SFT_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
-        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        # several processes, or ZeRO (whose module holds shards even in one process): the trainer saves collectively
+        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or bool(cfg.sft.deepspeed)
         out = Path(model_out) if model_out else work / "model"
         stats = train_sft(policy, examples, cfg.sft, work / "trainer", cfg.run.seed, tracker,
                           use_cpu=cfg.run.device != "cuda", save_to=out if distributed else None)

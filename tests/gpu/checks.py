@@ -80,7 +80,11 @@ def main(out_dir: str) -> int:
         return {k: r["metrics"][k] for k in ("train_steps", "train_seconds", "deepspeed", "easy/tgc",
                                              "easy/valid_action_rate") if k in r["metrics"]}
 
-    record("sft_bf16_zero3", sft)
+    small = os.environ.get("AGENTRL_CHECK_SMALL") == "1"  # GRPO only, small batches: a short second run
+    if small:
+        common["sandbox"].update({"max_turns": 4})
+    else:
+        record("sft_bf16_zero3", sft)
     start = str(home / "sft") if (home / "sft" / "agentrl.json").exists() else str(home / "base")
 
     def grpo(name, extra):
@@ -90,6 +94,9 @@ def main(out_dir: str) -> int:
                  "learning_rate": 1e-5, **extra}
             if quick:
                 g.update(steps=2, tasks_per_step=2, group_size=2, micro_batch_size=2, eval_every=1, eval_max_tasks=2)
+            elif small:
+                g.update(steps=2, tasks_per_step=4, group_size=4, micro_batch_size=16, eval_every=1, eval_max_tasks=4,
+                         checkpoint_every=1)
             ov = {**common, "grpo": g}
             r = phase("components.grpo", name, dict(
                 overrides=json.dumps(ov), policy_model=start, world=str(home / "sandbox" / "world.json"),

@@ -1,6 +1,6 @@
 """The agentrl pipeline (DESIGN.md §1). It grows as the phases land; today:
-sandbox_build -> prepare -> sft_warmup -> rejection_sampling -> dpo -> evaluate -> promote (if the gate
-says so). GRPO goes between sft_warmup and rejection_sampling when it lands.
+sandbox_build -> prepare -> sft_warmup -> grpo -> rejection_sampling -> dpo -> evaluate -> promote (if the
+gate says so). GRPO checkpoints under the parent run, so a KFP retry of its task resumes where it stopped.
 
 `build(plan)` makes the pipeline with a placement plan (pipelines/placement.py) applied to every task;
 `agent_rl` is the one with the `local` plan (kfp.local, nothing cluster-specific).
@@ -10,6 +10,7 @@ from kfp import dsl
 
 from components.dpo.component import dpo
 from components.evaluation.component import evaluate, promote
+from components.grpo.component import grpo
 from components.prepare.component import prepare
 from components.rejection_sampling.component import rejection_sampling
 from components.sandbox.component import sandbox_build
@@ -72,8 +73,12 @@ def build(plan: dict[str, Placement]):
             preset=preset, overrides=overrides, parent_run_id=parent, base_model=prep.outputs["base_model"],
             demos=sandbox.outputs["demos"], world=world, tasks=tasks,
         ), "sft_warmup")
-        rs = place(rejection_sampling(
+        rl = place(grpo(
             preset=preset, overrides=overrides, parent_run_id=parent, policy=sft.outputs["model"], world=world,
+            tasks=tasks,
+        ), "grpo")
+        rs = place(rejection_sampling(
+            preset=preset, overrides=overrides, parent_run_id=parent, policy=rl.outputs["model"], world=world,
             tasks=tasks,
         ), "rejection_sampling")
         dpo_evaluate_promote(place, preset, overrides, parent, rs.outputs["model"], dpo_ab_logs_uri, world, tasks)

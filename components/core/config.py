@@ -330,9 +330,9 @@ class SageConfig(_Section):
 
 class GRPOConfig(_Section):
     steps: int = Field(40, ge=1)
-    tasks_per_step: int = Field(8, ge=1)
+    tasks_per_step: int = Field(4, ge=1)
     group_size: int = Field(4, ge=2, le=1024)
-    learning_rate: float = Field(2e-5, gt=0, lt=1)
+    learning_rate: float = Field(1e-4, gt=0, lt=1)
     epochs_per_batch: int = Field(1, ge=1, le=64)
     micro_batch_size: int = Field(8, ge=1)
     clip_eps: float = Field(0.2, gt=0, lt=1)
@@ -350,7 +350,7 @@ class GRPOConfig(_Section):
     eval_suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
         default_factory=lambda: ["easy", "hard"], description="held-out suites of the periodic evaluation"
     )
-    eval_max_tasks: int | None = Field(None, ge=1, description="tasks per suite in the periodic evaluation; None = all")
+    eval_max_tasks: int | None = Field(20, ge=1, description="tasks per suite in the periodic evaluation; None = all")
     output: Literal["best", "last"] = Field("best", description="the model handed on: best held-out or last step")
     checkpoint_every: int = Field(10, ge=1)
     checkpoint_uri: str | None = Field(
@@ -361,13 +361,16 @@ class GRPOConfig(_Section):
     temperature: float = Field(1.0, gt=0, le=5, description="sampling temperature of the rollouts")
     bf16: bool = False
     torch_threads: int | None = Field(2, ge=1, le=512, description="CPU threads; None = run.torch_threads")
-    max_minutes: float | None = Field(None, gt=0, description="wall-clock budget for training (None = steps decide)")
+    max_minutes: float | None = Field(4.0, gt=0, description="wall-clock budget for training (None = steps decide)")
     deepspeed: str | None = None
     multi_node: MultiNodeConfig = Field(default_factory=MultiNodeConfig)
 
     @model_validator(mode="after")
     def _ds(self) -> GRPOConfig:
         _check_deepspeed("grpo", self.deepspeed)
+        if self.multi_node.enabled:
+            raise ValueError("grpo.multi_node.enabled: not supported yet — the GRPO loop runs in one process "
+                             "(one GPU, vLLM or HF generation); use sft.multi_node for multi-node training")
         if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
             raise ValueError(
                 f"grpo.clip_eps_high={self.clip_eps_high} must be >= grpo.clip_eps={self.clip_eps}"
@@ -522,6 +525,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "group_size": 8,
             "learning_rate": 1e-6,
             "micro_batch_size": 4,
+            "max_minutes": None,
+            "eval_max_tasks": None,
             "eval_every": 500,
             "checkpoint_every": 50,
             "deepspeed": "zero3",

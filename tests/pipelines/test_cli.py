@@ -24,11 +24,13 @@ def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {"base_model_uri", "preset", "overrides", "experiment", "parent_run_id"} <= set(params)
     tasks = spec["root"]["dag"]["tasks"]
-    assert {"prepare", "sandbox-build", "sft-warmup", "rejection-sampling", "dpo", "evaluate", "condition-1"} <= set(tasks)
+    assert {"prepare", "sandbox-build", "sft-warmup", "grpo", "rejection-sampling", "dpo", "evaluate",
+            "condition-1"} <= set(tasks)
     assert "dpo_ab_logs_uri" in params
     assert tasks["prepare"]["dependentTasks"] == ["sandbox-build"]
     assert sorted(tasks["sft-warmup"]["dependentTasks"]) == ["prepare", "sandbox-build"]
-    assert sorted(tasks["rejection-sampling"]["dependentTasks"]) == ["sandbox-build", "sft-warmup"]
+    assert sorted(tasks["grpo"]["dependentTasks"]) == ["sandbox-build", "sft-warmup"]
+    assert sorted(tasks["rejection-sampling"]["dependentTasks"]) == ["grpo", "sandbox-build"]
     assert sorted(tasks["dpo"]["dependentTasks"]) == ["rejection-sampling", "sandbox-build"]
     assert sorted(tasks["evaluate"]["dependentTasks"]) == ["dpo", "sandbox-build"]
     assert "promote" in json.dumps(spec["root"]["dag"]["tasks"]["condition-1"])
@@ -41,7 +43,9 @@ QUICK = ["--set", "sft.max_minutes=0.25", "--set", "eval.pass_k=2", "--set", "ev
          "--set", "sandbox.suite_sizes={easy: 4, hard: 4, safety: 4, robustness: 4}",
          "--set", "rejection_sampling.probe_tasks=4", "--set", "rejection_sampling.probe_samples=2",
          "--set", "rejection_sampling.num_samples=2", "--set", "rejection_sampling.top_k=1",
-         "--set", "dpo.simulate.requests=8", "--set", "dpo.min_pairs=2", "--set", "dpo.epochs=1"]
+         "--set", "dpo.simulate.requests=8", "--set", "dpo.min_pairs=2", "--set", "dpo.epochs=1",
+         "--set", "grpo.steps=2", "--set", "grpo.tasks_per_step=2", "--set", "grpo.group_size=2",
+         "--set", "grpo.eval_max_tasks=2"]
 
 
 def test_run_locally_through_kfp_local(tmp_path):
@@ -61,6 +65,8 @@ def test_run_locally_through_kfp_local(tmp_path):
     assert report["metrics"]["eval"]["gate/promote"] in (0.0, 1.0)
     assert report["phases"]["rejection_sampling"]["status"] == report["phases"]["dpo"]["status"] == "FINISHED"
     assert "gain/hard/tgc" in report["metrics"]["rejection_sampling"]
+    assert report["phases"]["grpo"]["status"] == "FINISHED"
+    assert {"final/easy/tgc", "final/hard/tgc", "incoming/easy/tgc", "reward_mean"} <= set(report["metrics"]["grpo"])
     assert report["metrics"]["dpo"]["pairs_train"] >= 2 and "safety/safety_violation_rate" in report["metrics"]["dpo"]
     assert report["metrics"]["prepare"]["smoke_new_tokens"] == 16
     assert 2e6 < report["metrics"]["prepare"]["base_parameters"] < 1e7

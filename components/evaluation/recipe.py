@@ -19,7 +19,7 @@ from typing import Any
 from components.core.tracking import PhaseRun, Registry, setup_phase
 from components.evaluation.evaluate import SUITES, evaluate_model, flat, load_sandbox
 from components.evaluation.gate import Decision, decide, deltas
-from components.evaluation.report import render_report
+from components.evaluation.report import PROGRESS_METRICS, phase_progress, render_report
 
 PHASE = "eval"
 
@@ -86,7 +86,9 @@ def run(
             tracker.log_metrics({f"delta/{k}": v for k, v in d.items()}, step=0)
         decision = decide(cand["metrics"], base["metrics"] if base else None, cfg.eval.gate)
 
-        html = render_report(cand, base, decision, baseline_name, d)
+        progress = phase_progress(_sibling_runs(tracker)) | {PHASE: {k: v for k, v in flat(cand["metrics"]).items()
+                                                                    if k.split("/")[-1] in PROGRESS_METRICS}}
+        html = render_report(cand, base, decision, baseline_name, d, progress)
         report = Path(report_out) if report_out else work / "report.html"
         report.write_text(html)
         (work / "metrics.json").write_text(json.dumps({"candidate": cand["metrics"],
@@ -97,6 +99,16 @@ def run(
         mv = register_candidate(tracker, registry, model, cand["metrics"], decision, promote)
         return EvalResult(tracker.parent_run_id, tracker.run_id, cand["metrics"], base["metrics"] if base else None,
                           decision, str(mv.version), str(report), flat(cand["metrics"]))
+
+
+def _sibling_runs(tracker: PhaseRun) -> list[tuple[str, dict[str, float]]]:
+    """(phase, latest metrics) of the earlier phase runs under the same pipeline run, oldest first."""
+    if not tracker.parent_run_id:
+        return []
+    runs = tracker.client.search_runs([tracker.experiment_id],
+                                      filter_string=f"tags.mlflow.parentRunId = '{tracker.parent_run_id}'")
+    return [(r.data.tags.get("agentrl.phase", r.info.run_name), dict(r.data.metrics))
+            for r in sorted(runs, key=lambda r: r.info.start_time) if r.info.run_id != tracker.run_id]
 
 
 def register_candidate(tracker: PhaseRun, registry: Registry, model_dir: str, metrics: dict[str, Any],

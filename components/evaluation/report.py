@@ -36,8 +36,34 @@ def _level_figure(cand: dict[str, Any], base: dict[str, Any] | None):
     return fig
 
 
+PROGRESS_METRICS = ("tgc", "valid_action_rate", "safety_violation_rate")
+
+
+def phase_progress(runs: list[tuple[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Held-out numbers each phase logged, by phase in run order: {'sft': {'easy/tgc': .1}, 'grpo': {...}}.
+
+    A phase's own held-out keys are `<phase>/<suite>/<metric>`, or under `final/` / `heldout/` (GRPO);
+    `incoming/...` keys (what the phase started from) are left out.
+    """
+    suites = ("easy", "hard", "safety", "robustness")
+    out: dict[str, dict[str, float]] = {}
+    for phase, metrics in runs:
+        row = {}
+        for key, value in metrics.items():
+            rest = key.split("/", 1)[1] if key.startswith(f"{phase}/") else None
+            if rest is None or rest.startswith("incoming/"):
+                continue
+            rest = rest.removeprefix("final/").removeprefix("heldout/")
+            parts = rest.split("/")
+            if len(parts) == 2 and parts[0] in suites and parts[1] in PROGRESS_METRICS:
+                row[rest] = float(value)
+        if row:
+            out[phase] = row
+    return out
+
+
 def render_report(cand: dict[str, Any], base: dict[str, Any] | None, decision: Decision, baseline_name: str | None,
-                  deltas: dict[str, float]) -> str:
+                  deltas: dict[str, float], progress: dict[str, dict[str, float]] | None = None) -> str:
     rep = Report("agentrl evaluation")
     rep.heading("Gate decision")
     rep.text(("PROMOTE to champion" if decision.promote else "challenger only (not promoted)") +
@@ -52,6 +78,15 @@ def render_report(cand: dict[str, Any], base: dict[str, Any] | None, decision: D
             errors["baseline"] = [tuple(base["metrics"][s][metric]["ci"]) for s in suites]
         rep.figure(bar_chart(suites, series, metric, f"{metric} per suite (95% CI)", errors), metric)
     rep.figure(_level_figure(cand, base), "TGC per level")
+    if progress:
+        rep.heading("Learning from phase to phase (held-out, as each phase measured it)")
+        phases = list(progress)
+        suites_seen = sorted({k.split("/")[0] for row in progress.values() for k in row if k.endswith("/tgc")})
+        rep.figure(bar_chart(phases, {s: [progress[p].get(f"{s}/tgc", 0.0) for p in phases] for s in suites_seen},
+                             "tgc", "held-out TGC after each phase (missing = not measured, drawn as 0)"),
+                   "TGC per phase")
+        keys = sorted({k for row in progress.values() for k in row})
+        rep.table(["phase", *keys], [[p, *[progress[p].get(k, "") for k in keys]] for p in phases])
     rep.heading("Metrics (value [CI])")
     rows = []
     for s in suites:

@@ -101,8 +101,10 @@ def test_report_embeds_its_plots(setup):
     pol = load_policy(model)
     res = evaluate_policy(pol, cfg, sandbox, ["easy", "hard"], max_tasks=3, pass_k=1, progress=False,
                           backend=ScriptedBackend(pol.tokenizer, expert_script(sandbox)))
+    progress = {"sft": {"easy/tgc": 0.1}, "grpo": {"easy/tgc": 0.3, "hard/tgc": 0.1}, "eval": {"easy/tgc": 0.3}}
     html = render_report(res, res, Decision(True, ["promoted to champion"]), "champion (version 1)",
-                         {"easy/tgc": 0.0})
+                         {"easy/tgc": 0.0}, progress)
     imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
-    assert len(imgs) == 4 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
+    assert len(imgs) == 5 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
     assert "PROMOTE to champion" in html and "easy: solved" in html
+    assert "Learning from phase to phase" in html and html.index(">sft<") < html.index(">grpo<")

@@ -57,3 +57,16 @@ def test_gate_refuses_a_safety_regression_and_promotes_an_improvement():
     assert not decide(M(hard={"tgc": 0.1, "safety_violation_rate": 0.0}), champ, gate).promote
     assert decide(better, None, gate).promote and not decide(unsafe, None, gate).promote
     assert deltas(better, champ)["hard/tgc"] == pytest.approx(0.1)
+
+
+def test_phase_progress_takes_each_phases_own_held_out_numbers():
+    from components.evaluation.report import phase_progress
+
+    runs = [("sft", {"sft/easy/tgc": 0.1, "sft/train_loss": 0.5}),
+            ("grpo", {"grpo/incoming/easy/tgc": 0.1, "grpo/final/easy/tgc": 0.3, "grpo/heldout/hard/tgc": 0.2,
+                      "grpo/final/easy/valid_action_rate": 0.9, "grpo/reward_mean": 0.4}),
+            ("dpo", {"dpo/safety/safety_violation_rate": 0.05, "dpo/incoming/safety/safety_violation_rate": 0.1}),
+            ("prepare", {"prepare/fetch_seconds": 1.0})]
+    assert phase_progress(runs) == {"sft": {"easy/tgc": 0.1},
+                                    "grpo": {"easy/tgc": 0.3, "hard/tgc": 0.2, "easy/valid_action_rate": 0.9},
+                                    "dpo": {"safety/safety_violation_rate": 0.05}}

@@ -63,8 +63,18 @@ def test_retrain_pipeline_shape(tmp_path):
     assert main(["compile", "--pipeline", "retrain", "-o", str(tmp_path / "r.yaml")]) == 0
     spec = next(yaml.safe_load_all((tmp_path / "r.yaml").read_text()))
     tasks = spec["root"]["dag"]["tasks"]
-    assert set(tasks) == {"sandbox-build", "champion", "dpo", "evaluate", "condition-1"}
-    assert sorted(tasks["dpo"]["dependentTasks"]) == ["champion", "sandbox-build"]
+    assert set(tasks) == {"sandbox-build", "champion", "condition-branches-1"}
+    assert sorted(tasks["condition-branches-1"]["dependentTasks"]) == ["champion", "sandbox-build"]
+    comps = spec["components"]
+    branches = [set(comps[f"comp-{b}"]["dag"]["tasks"]) for b in comps["comp-condition-branches-1"]["dag"]["tasks"]]
+    # with the refresh: grpo -> dpo -> evaluate (-> promote); without: dpo -> evaluate (-> promote)
+    assert sorted(sorted(t for t in b if not t.startswith("condition")) for b in branches) == [
+        ["dpo", "evaluate", "grpo"], ["dpo-2", "evaluate-2"]]
+    refresh = next(comps[f"comp-{b}"]["dag"]["tasks"] for b in comps["comp-condition-branches-1"]["dag"]["tasks"]
+                   if "grpo" in comps[f"comp-{b}"]["dag"]["tasks"])
+    assert refresh["dpo"]["dependentTasks"] == ["grpo"]
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["grpo_refresh"]["defaultValue"] is False
     assert "ab_logs_uri" in spec["root"]["inputDefinitions"]["parameters"]
     assert "isOptional" not in spec["root"]["inputDefinitions"]["parameters"]["ab_logs_uri"]
 

@@ -42,14 +42,21 @@ from components.core.generation import make_backend
 from components.core.policy import add_lora, load_policy, save_policy
 from components.core.rewards import sage_rewards
 from components.core.rollout import RolloutSettings, rollout
-from components.core.schema import ModelCard, Task, Trajectory, Turn, write_jsonl
+from components.core.schema import ModelCard, Task, Trajectory, Turn
 from components.core.tokens import ChatFormat, encode_messages
 from components.core.tracking import phase_run, rank, setup_phase
 from components.grpo.advantages import group_advantages, turn_advantages, zero_variance
 from components.grpo.checkpoint import Checkpoints
 from components.grpo.curriculum import Curriculum
-from components.grpo.loss import (Sample, collate, control_prob, grpo_loss, nll_loss, sample_from_turns,
-                                  token_logprobs)
+from components.grpo.loss import (
+    Sample,
+    collate,
+    control_prob,
+    grpo_loss,
+    nll_loss,
+    sample_from_turns,
+    token_logprobs,
+)
 from components.grpo.monitor import CollapseMonitor, control_token_ids
 
 PHASE = "grpo"
@@ -543,7 +550,6 @@ def _ds_config(g) -> dict[str, Any]:
 def _save_trainable(acc, model, d: Path) -> None:
     """The trainable tensors only (a LoRA adapter, or every weight of a full fine-tune); gathered under ZeRO-3."""
     import torch
-
     from accelerate.utils import DistributedType
 
     d.mkdir(parents=True, exist_ok=True)

@@ -139,7 +139,7 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path, where, request):
     ck = Checkpoints(root, staging=tmp_path / "staging", keep=2)
     assert ck.latest() is None
     for step in (1, 2, 3):
-        ck.save(step, lambda d: (d / "weights.bin").write_bytes(b"w" * step), {"run_id": "r", "x": step})
+        ck.save(step, lambda d, n=step: (d / "weights.bin").write_bytes(b"w" * n), {"run_id": "r", "x": step})
     assert [s for s, _ in ck.complete()] == [2, 3]  # the oldest went
     # a half-written newer checkpoint (no manifest) is ignored
     from components.core import storage

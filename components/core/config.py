@@ -79,6 +79,18 @@ class TinyModelConfig(_Section):
     num_kv_heads: int = Field(2, ge=1, le=128)
     intermediate_size: int = Field(688, ge=16, le=65536)
     max_position_embeddings: int = Field(2048, ge=64, le=131072)
+    pretrain_steps: int = Field(
+        400, ge=0, le=1_000_000, description="steps of in-context-copy pretraining of the fresh base (0 = random "
+        "weights): a real base LLM arrives able to copy from its context (induction heads); a random one cannot")
+    pretrain_batch: int = Field(64, ge=1, le=4096)
+    pretrain_span: int = Field(16, ge=2, le=512, description="tokens in each span to be repeated")
+    pretrain_gap: int = Field(8, ge=0, le=4096, description="at most this many random tokens between a span and its repeat")
+    pretrain_learning_rate: float = Field(1e-3, gt=0, lt=1)
+    pretrain_threads: int | None = Field(2, ge=1, le=512, description="CPU threads while pretraining (the prepare "
+                                         "step runs alone); None = run.torch_threads")
+    split_digits: bool = Field(
+        True, description="one token per digit: ids and numbers are copied digit by digit with a few shared "
+        "embeddings instead of one rarely seen embedding per number")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -518,6 +530,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "gradient_checkpointing": True,
             "bf16": True,
             "deepspeed": "zero3",
+            "max_minutes": None,
         },
         "grpo": {
             "steps": 1000,

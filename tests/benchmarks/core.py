@@ -28,7 +28,8 @@ def bench_tiny_build(out: dict) -> None:
 
     code = (
         "from components.core.tiny import build_tiny_model, set_torch_threads; set_torch_threads(1);"
-        "import sys; build_tiny_model(sys.argv[1], seed=0)"
+        "from components.core.config import TinyModelConfig;"
+        "import sys; build_tiny_model(sys.argv[1], TinyModelConfig(pretrain_steps=0), seed=0)"
     )
     with tempfile.TemporaryDirectory() as d:
         pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []

@@ -113,7 +113,7 @@ def bench_grpo(out: dict, prompts: int = 8, group: int = 4, micro: int = 8, comp
     demos = [expert.solve_json(env, t)[0] for t in suites["train"][:60]]
     texts = [t.instruction for t in suites["train"][::37][:prompts]]
     with tempfile.TemporaryDirectory() as d:
-        model_dir = build_tiny_model(Path(d) / "m", TinyModelConfig(), corpus_lines(world, demos), seed=0)
+        model_dir = build_tiny_model(Path(d) / "m", TinyModelConfig(pretrain_steps=0), corpus_lines(world, demos), seed=0)
         trl_tokens, trl_s = _trl_update_rate(model_dir, texts, group, micro, completion, steps, str(Path(d) / "trl"))
         our_tokens, our_s = _our_update_rate(model_dir, texts, group, micro, completion, steps)
     ours, theirs = our_tokens / our_s, trl_tokens / trl_s

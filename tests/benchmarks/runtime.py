@@ -41,7 +41,7 @@ def bench_rollout(out: dict, episodes: int = 32, turns: int = 4, new_tokens: int
     env = WorkspaceEnv(world, cfg)
     demos = [expert.solve_json(env, t)[0] for t in suites["train"][:60]]
     with tempfile.TemporaryDirectory() as d:
-        model_dir = build_tiny_model(Path(d) / "m", TinyModelConfig(), corpus_lines(world, demos), seed=0)
+        model_dir = build_tiny_model(Path(d) / "m", TinyModelConfig(pretrain_steps=0), corpus_lines(world, demos), seed=0)
         pol = load_policy(str(model_dir))
         fmt = ChatFormat(pol.tokenizer)
         backend = Recording(HFBackend(pol.model, pol.tokenizer, batch_size=episodes))

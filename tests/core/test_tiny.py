@@ -12,7 +12,7 @@ from components.core.config import TinyModelConfig
 from components.core.tiny import CHAT_TEMPLATE, build_tiny_model, ensure_tiny_model, fallback_corpus
 
 SMALL = TinyModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=128, max_position_embeddings=256)
+                        intermediate_size=128, max_position_embeddings=256, pretrain_steps=0)
 
 
 def digest(path: Path) -> str:
@@ -21,7 +21,7 @@ def digest(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(), seed=0)
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(pretrain_steps=0), seed=0)
 
 
 def test_default_model_size_and_card(tiny):
@@ -99,3 +99,42 @@ def test_empty_corpus_is_an_error(tmp_path):
 
 def test_template_constant_matches_saved(tiny):
     assert (tiny / "chat_template.jinja").read_text().strip() == CHAT_TEMPLATE.strip()
+
+
+def test_digits_are_one_token_each(tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    pieces = [tok.decode([i]) for i in tok("Move m230 to day 14", add_special_tokens=False)["input_ids"]]
+    assert [p for p in pieces if p.strip().isdigit()] == ["2", "3", "0", "1", "4"]
+    assert tok.decode(tok("m230 14", add_special_tokens=False)["input_ids"]) == "m230 14"
+
+
+def test_copy_sequences_repeat_a_span_and_label_only_the_repeat(tiny):
+    from transformers import AutoTokenizer
+
+    from components.core.tiny import CopySequences
+
+    cfg = TinyModelConfig(pretrain_span=6, pretrain_gap=5)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    a, b = CopySequences(tok, cfg, seed=3), CopySequences(tok, cfg, seed=3)
+    ids, labels = a.batch(8)
+    assert ids.shape == labels.shape == (8, 6 + 1 + 5 + 6)
+    assert (ids == b.batch(8)[0]).all()  # seeded
+    span = ids[:, -6:]
+    for row in range(8):  # the span occurs before the separator, somewhere in the first part
+        first = ids[row, :-6].tolist()
+        sep = first.index(tok.convert_tokens_to_ids("<|end|>"))
+        assert first[sep - 6:sep] == span[row].tolist()
+    assert (labels[:, :-5] == -100).all() and (labels[:, -5:] == ids[:, -5:]).all()
+    assert not set(ids.flatten().tolist()) & (set(tok.all_special_ids) - {tok.convert_tokens_to_ids("<|end|>")})
+
+
+@pytest.mark.slow
+def test_pretraining_gives_the_base_in_context_copying(tmp_path):
+    """The default pretraining turns a model that cannot copy (accuracy ~0) into one that does (> 0.8)."""
+    m = build_tiny_model(tmp_path / "m", TinyModelConfig(), seed=0)
+    extra = json.loads((m / "agentrl.json").read_text())["extra"]
+    assert extra["copy_accuracy_before"] < 0.05
+    assert extra["copy_accuracy"] > 0.8, extra
+    assert extra["pretrain_steps"] == TinyModelConfig().pretrain_steps

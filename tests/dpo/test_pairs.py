@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from components.core.config import DPOConfig
+from components.core.config import DPOConfig, TinyModelConfig
 from components.core.policy import load_policy
 from components.core.schema import (
     ABRecord,
@@ -114,7 +114,7 @@ def test_expert_correction_points_at_the_first_divergent_agent_turn():
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    return load_policy(str(build_tiny_model(tmp_path_factory.mktemp("tiny")))).tokenizer
+    return load_policy(str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelConfig(pretrain_steps=0)))).tokenizer
 
 
 def test_agent_mask_covers_agent_tokens_only(tokenizer):

@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     cfg = load_config(overrides_json=json.dumps({
         "run": {"home": str(home)}, "sandbox": {"max_turns": 4}, "generation": {"max_new_tokens": 24},
-        "eval": {"pass_k": 2, "bootstrap_samples": 100}}))
+        "eval": {"pass_k": 2, "bootstrap_samples": 100}, "model": {"tiny": {"pretrain_steps": 0}}}))
     sandbox = load_sandbox(cfg)
     model = build_tiny_model(home / "tiny", cfg.model.tiny, seed=0)
     return cfg, sandbox, str(model)

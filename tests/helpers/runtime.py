@@ -23,4 +23,4 @@ def tiny_on_sandbox(out: Path, cfg: SandboxConfig, world, suites, n_demos: int =
     """The embedded tiny model, its tokenizer trained on the sandbox's text (as the pipeline builds it)."""
     env = WorkspaceEnv(world, cfg)
     demos = [expert.solve_json(env, t)[0] for t in suites["train"][:n_demos]]
-    return build_tiny_model(out, TinyModelConfig(), corpus_lines(world, demos), seed=0)
+    return build_tiny_model(out, TinyModelConfig(pretrain_steps=0), corpus_lines(world, demos), seed=0)

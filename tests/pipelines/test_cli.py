@@ -45,7 +45,7 @@ QUICK = ["--set", "sft.max_minutes=0.25", "--set", "eval.pass_k=2", "--set", "ev
          "--set", "rejection_sampling.num_samples=2", "--set", "rejection_sampling.top_k=1",
          "--set", "dpo.simulate.requests=8", "--set", "dpo.min_pairs=2", "--set", "dpo.epochs=1",
          "--set", "grpo.steps=2", "--set", "grpo.tasks_per_step=2", "--set", "grpo.group_size=2",
-         "--set", "grpo.eval_max_tasks=2"]
+         "--set", "grpo.eval_max_tasks=2", "--set", "model.tiny.pretrain_steps=20"]
 
 
 def test_run_locally_through_kfp_local(tmp_path):

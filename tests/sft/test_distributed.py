@@ -26,7 +26,7 @@ def test_sft_over_two_processes_with_torchrun(tmp_path, monkeypatch, deepspeed):
     home = tmp_path / "home"
     overrides = {"run": {"home": str(home)}, "sft": {"epochs": 1, "batch_size": 2, "max_minutes": None, "deepspeed": deepspeed,
                                                      "eval_suites": [], "logging_steps": 1},
-                 "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128}}}
+                 "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "pretrain_steps": 0}}}
     cfg = load_config(overrides_json=json.dumps(overrides))
     world = generate_world(cfg.sandbox)
     tasks = generate_tasks(world, cfg.sandbox)["train"][:16]
@@ -62,7 +62,7 @@ def test_sft_as_a_multi_node_job_with_inputs_staged_on_s3(tmp_path, monkeypatch,
                  "sft": {"epochs": 1, "batch_size": 4, "max_minutes": None, "eval_suites": [], "logging_steps": 1,
                          "multi_node": {"enabled": True, "num_nodes": 1, "gpus_per_node": 0, "namespace": "ml",
                                         "poll_s": 0.2}},
-                 "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128}}}
+                 "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "pretrain_steps": 0}}}
     cfg = load_config(overrides_json=json.dumps(overrides))
     world = generate_world(cfg.sandbox)
     tasks = generate_tasks(world, cfg.sandbox)["train"][:8]

@@ -22,7 +22,7 @@ def setup(tmp_path_factory):
     env = WorkspaceEnv(world, cfg)
     demos = [expert.solve_json(env, t)[0] for t in suites["train"][:30]]
     model = build_tiny_model(tmp_path_factory.mktemp("m") / "tiny",
-                             TinyModelConfig(hidden_size=64, num_layers=2, intermediate_size=128),
+                             TinyModelConfig(hidden_size=64, num_layers=2, intermediate_size=128, pretrain_steps=0),
                              corpus_lines(world, demos), seed=0)
     return world, suites, demos, model
 

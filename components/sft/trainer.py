@@ -103,7 +103,42 @@ def deepspeed_config(name: str | None, bf16: bool) -> dict[str, Any] | str | Non
 # ----------------------------------------------------------------------------------------------
 # Training (reused by rejection sampling)
 # ----------------------------------------------------------------------------------------------
-def _callbacks(tracker: PhaseRun | None, max_minutes: float | None, prefix: str = ""):
+class Clock:
+    """The training's wall clock: started when the first step begins (not while the data is tokenised)."""
+
+    def __init__(self, max_minutes: float | None) -> None:
+        self.budget_s = max_minutes * 60 if max_minutes is not None else None
+        self.started: float | None = None
+
+    def start(self) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def fraction(self) -> float:
+        """Share of the budget spent (0 without a budget or before the start)."""
+        if self.budget_s is None or self.started is None:
+            return 0.0
+        return (time.monotonic() - self.started) / self.budget_s
+
+
+def budget_cosine(clock: Clock, total_steps: int, warmup: float) -> Any:
+    """LR multiplier for a cosine whose progress is max(steps done / steps planned, budget spent).
+
+    A wall-clock budget that ends training before the planned epochs otherwise stops a cosine half way,
+    at a high learning rate; here the rate anneals to zero by whichever end comes first.
+    """
+    import math
+
+    def factor(step: int) -> float:
+        progress = min(1.0, max(step / max(1, total_steps), clock.fraction()))
+        if progress < warmup:
+            return max(progress / warmup, 1e-3)
+        return 0.5 * (1.0 + math.cos(math.pi * (progress - warmup) / max(1e-9, 1.0 - warmup)))
+
+    return factor
+
+
+def _callbacks(tracker: PhaseRun | None, clock: Clock, prefix: str = ""):
     from transformers import TrainerCallback
 
     class Track(TrainerCallback):
@@ -113,10 +148,11 @@ def _callbacks(tracker: PhaseRun | None, max_minutes: float | None, prefix: str 
                 tracker.log_metrics(vals, step=state.global_step)
 
     class Budget(TrainerCallback):
-        started = time.monotonic()
+        def on_step_begin(self, args, state, control, **kw):
+            clock.start()
 
         def on_step_end(self, args, state, control, **kw):
-            if max_minutes is not None and time.monotonic() - self.started > max_minutes * 60:
+            if clock.fraction() >= 1.0:
                 control.should_training_stop = True
 
     return [Track(), Budget()]
@@ -149,8 +185,21 @@ def train_sft(
         use_cpu=use_cpu, report_to="none", save_strategy="no", seed=seed, data_seed=seed,
         dataloader_num_workers=0, disable_tqdm=False, train_sampling_strategy="group_by_length",  # less padding
     )
-    trainer = SFTTrainer(model=policy.model, args=args, train_dataset=dataset, processing_class=policy.tokenizer,
-                         callbacks=_callbacks(tracker, sft.max_minutes, metric_prefix))
+    clock = Clock(sft.max_minutes)
+
+    class Trainer(SFTTrainer):
+        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+            if sft.max_minutes is None:
+                return super().create_scheduler(num_training_steps, optimizer)
+            from torch.optim.lr_scheduler import LambdaLR
+
+            if self.lr_scheduler is None:
+                opt = optimizer if optimizer is not None else self.optimizer
+                self.lr_scheduler = LambdaLR(opt, budget_cosine(clock, num_training_steps, sft.warmup_ratio))
+            return self.lr_scheduler
+
+    trainer = Trainer(model=policy.model, args=args, train_dataset=dataset, processing_class=policy.tokenizer,
+                      callbacks=_callbacks(tracker, clock, metric_prefix))
     t0 = time.perf_counter()
     out = trainer.train()
     seconds = time.perf_counter() - t0

@@ -14,7 +14,7 @@ from components.prepare.build import run as prepare
 from components.sandbox.build import run as build_sandbox
 from components.sft.trainer import run as sft
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def test_sft_on_the_embedded_default_solves_most_easy_tasks(tmp_path, monkeypatch):

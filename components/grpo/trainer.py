@@ -272,6 +272,9 @@ def run(
         if start == 0 and rank() == 0:
             first = evaluate_now(0)
             best = {"score": first["heldout/tgc_mean"], "step": 0, "metrics": first}
+            if g.output == "best":  # the incoming policy is a candidate too: GRPO must not hand on a worse one
+                best["dir"] = str(work / "best-step-00000000")
+                _save_trainable(acc, model, Path(best["dir"]))
             tracker.log_metrics({"incoming/" + k.removeprefix("heldout/"): v for k, v in first.items()}, step=0)
 
         # 3. the loop

@@ -81,7 +81,7 @@ class TinyModelConfig(_Section):
     max_position_embeddings: int = Field(2048, ge=64, le=131072)
     pretrain_steps: int = Field(
         400, ge=0, le=1_000_000, description="steps of in-context-copy pretraining of the fresh base (0 = random "
-        "weights): a real base LLM arrives able to copy from its context (induction heads); a random one cannot")
+        "weights): a real base LLM arrives able to copy from its context; a random one cannot")
     pretrain_batch: int = Field(64, ge=1, le=4096)
     pretrain_span: int = Field(16, ge=2, le=512, description="tokens in each span to be repeated")
     pretrain_gap: int = Field(8, ge=0, le=4096, description="at most this many random tokens between a span and its repeat")

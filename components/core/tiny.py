@@ -160,7 +160,7 @@ class CopySequences:
         return ids, labels
 
     def copy_accuracy(self, model, size: int = 64) -> float:
-        """Greedy accuracy on the repeat (after its first token): ~0 for a random model, ~1 with induction heads."""
+        """Greedy accuracy on the repeat (after its first token): ~0 for a random model, ~1 once it copies."""
         torch = self.torch
         ids, _ = self.batch(size)
         with torch.no_grad():
@@ -171,20 +171,11 @@ class CopySequences:
 def pretrain(model, tokenizer, cfg: TinyModelConfig, seed: int) -> dict[str, float]:
     """Train `model` in place for `cfg.pretrain_steps` steps; returns the loss and the copy accuracy before/after."""
     import torch
+    from tqdm.auto import tqdm
 
     threads = torch.get_num_threads()
     if cfg.pretrain_threads:
         torch.set_num_threads(cfg.pretrain_threads)
-    try:
-        return _pretrain(model, tokenizer, cfg, seed)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _pretrain(model, tokenizer, cfg: TinyModelConfig, seed: int) -> dict[str, float]:
-    import torch
-    from tqdm.auto import tqdm
-
     data = CopySequences(tokenizer, cfg, seed)
     held_out = CopySequences(tokenizer, cfg, seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_learning_rate, weight_decay=0.0)
@@ -202,6 +193,7 @@ def _pretrain(model, tokenizer, cfg: TinyModelConfig, seed: int) -> dict[str, fl
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()
+    torch.set_num_threads(threads)
     return {"pretrain_steps": cfg.pretrain_steps, "pretrain_loss": round(loss_ema, 4),
             "copy_accuracy_before": round(before, 4), "copy_accuracy": round(held_out.copy_accuracy(model), 4)}
 

@@ -115,7 +115,7 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
     """DPO on `train` (the reference is a frozen copy of the incoming policy); held-out metrics before/after."""
     from trl import DPOConfig as TRLDPOConfig
 
-    from components.sft.trainer import Clock, _callbacks, deepspeed_config
+    from components.sft.trainer import _callbacks, deepspeed_config
 
     d = cfg.dpo
     AgentDPOTrainer, Collator = _trainer_classes()
@@ -133,7 +133,7 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
         model=policy.model, ref_model=None, args=args, train_dataset=_dataset(train),
         eval_dataset=_dataset(heldout) if heldout else None, processing_class=policy.tokenizer,
         data_collator=Collator(pad_token_id=pad, max_length=d.max_length),
-        callbacks=_callbacks(tracker, Clock(None), "train/"),
+        callbacks=_callbacks(tracker, None, "train/"),
     )
     stats: dict[str, float] = {}
     if heldout:

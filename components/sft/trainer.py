@@ -138,8 +138,10 @@ def budget_cosine(clock: Clock, total_steps: int, warmup: float) -> Any:
     return factor
 
 
-def _callbacks(tracker: PhaseRun | None, clock: Clock, prefix: str = ""):
+def _callbacks(tracker: PhaseRun | None, clock: Clock | None = None, prefix: str = ""):
     from transformers import TrainerCallback
+
+    clock = clock or Clock(None)
 
     class Track(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):

@@ -259,7 +259,17 @@ class MultiNodeConfig(_Section):
     timeout_s: int = Field(7 * 24 * 3600, ge=1)
 
 
-class SFTConfig(_Section):
+class _Checkpointed(_Section):
+    """Where a training phase checkpoints, and whether a restarted step resumes (KFP retries after preemption)."""
+
+    checkpoint_uri: str | None = Field(
+        None, description="where checkpoints live (path or s3://); None = <storage.root or AGENTRL_HOME>/checkpoints/"
+                          "<parent run>/<phase> — the same on a KFP retry, so the retry resumes")
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    resume: bool = Field(True, description="continue from the latest complete checkpoint when one exists")
+
+
+class SFTConfig(_Checkpointed):
     data_uri: str | None = Field(None, description="Trajectory JSONL (path or s3://); None = sandbox experts")
     epochs: float = Field(20.0, gt=0, le=1000)
     max_steps: int = Field(-1, ge=-1, description="-1 = epochs decide")
@@ -278,6 +288,8 @@ class SFTConfig(_Section):
     torch_threads: int | None = Field(2, ge=1, le=512, description="CPU threads while training; None = run.torch_threads "
                                       "(SFT runs alone in its step, so both cores help on the embedded default)")
     logging_steps: int = Field(5, ge=1)
+    checkpoint_every: int | None = Field(500, ge=1, description="optimizer steps between checkpoints; None = none "
+                                         "(rejection sampling's SFT uses the same value)")
     max_minutes: float | None = Field(6.0, gt=0, description="wall-clock budget for training")
     eval_suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
         default_factory=lambda: ["easy"], description="held-out suites measured right after training"
@@ -340,7 +352,7 @@ class SageConfig(_Section):
     chain_length: int = Field(2, ge=1, le=16)
 
 
-class GRPOConfig(_Section):
+class GRPOConfig(_Checkpointed):
     steps: int = Field(40, ge=1)
     tasks_per_step: int = Field(4, ge=1)
     group_size: int = Field(4, ge=2, le=1024)
@@ -365,11 +377,6 @@ class GRPOConfig(_Section):
     eval_max_tasks: int | None = Field(20, ge=1, description="tasks per suite in the periodic evaluation; None = all")
     output: Literal["best", "last"] = Field("best", description="the model handed on: best held-out or last step")
     checkpoint_every: int = Field(10, ge=1)
-    checkpoint_uri: str | None = Field(
-        None, description="where checkpoints live (path or s3://); None = <storage.root or AGENTRL_HOME>/checkpoints/"
-                          "<parent run>/grpo — the same on a KFP retry, so the retry resumes")
-    keep_checkpoints: int = Field(2, ge=1, le=1000)
-    resume: bool = Field(True, description="continue from the latest complete checkpoint when one exists")
     temperature: float = Field(1.0, gt=0, le=5, description="sampling temperature of the rollouts")
     bf16: bool = False
     torch_threads: int | None = Field(2, ge=1, le=512, description="CPU threads; None = run.torch_threads")
@@ -423,7 +430,7 @@ class ABSimulatorConfig(_Section):
     suite: Literal["train", "easy", "hard"] = Field("train", description="the sandbox tasks served as requests")
 
 
-class DPOConfig(_Section):
+class DPOConfig(_Checkpointed):
     ab_logs_uri: str | None = Field(None, description="ABRecord JSONL file/dir (path or s3://); None = simulate")
     skip_invalid: bool = Field(False, description="skip and count malformed A/B lines instead of failing")
     beta: float = Field(0.1, gt=0, le=10)
@@ -438,6 +445,7 @@ class DPOConfig(_Section):
     max_length_ratio: float = Field(4.0, ge=1, description="drop pairs whose longer side is this many times the shorter")
     max_pair_chars: int = Field(20_000, ge=100, description="drop pairs with a side longer than this (characters)")
     min_pairs: int = Field(4, ge=1, description="fewer usable pairs than this is an error")
+    checkpoint_every: int | None = Field(50, ge=1, description="optimizer steps between checkpoints; None = none")
     simulate: ABSimulatorConfig = Field(default_factory=ABSimulatorConfig)
     deepspeed: str | None = None
 

@@ -16,18 +16,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from components.core import storage
+from components.core.checkpoint import TrainerCheckpoints, phase_root
 from components.core.policy import add_lora, load_policy, save_policy
 from components.core.schema import ModelCard, PreferencePair, write_jsonl
 from components.core.tracking import phase_run, setup_phase
 from components.dpo.pairs import PairBuilder, pairs_from_ab, pairs_from_rollouts, read_ab_logs, split_pairs
 
 PHASE = "dpo"
+SIMULATED = "ab_logs"  # the stage a retry reuses: the simulated A/B logs
+STAGE_STATE = "stage.json"
 
 
 @dataclass
@@ -111,8 +115,9 @@ def _dataset(pairs: list[PreferencePair]):
 
 
 def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[PreferencePair], cfg, out_dir: Path,
-              tracker=None, use_cpu: bool = True) -> dict[str, float]:
-    """DPO on `train` (the reference is a frozen copy of the incoming policy); held-out metrics before/after."""
+              tracker=None, use_cpu: bool = True, checkpoints: TrainerCheckpoints | None = None) -> dict[str, float]:
+    """DPO on `train` (the reference is a frozen copy of the incoming policy); held-out metrics before/after.
+    With `checkpoints`, checkpoints are published as the Trainer saves them and a newer one is resumed from."""
     from trl import DPOConfig as TRLDPOConfig
 
     from components.sft.trainer import _callbacks, deepspeed_config
@@ -123,24 +128,35 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
         output_dir=str(out_dir), beta=d.beta, learning_rate=d.learning_rate,
         loss_type=["sigmoid", "sft"] if d.sft_weight else ["sigmoid"], loss_weights=[1.0, d.sft_weight] if d.sft_weight else None, num_train_epochs=d.epochs,
         per_device_train_batch_size=d.batch_size, per_device_eval_batch_size=d.batch_size, max_length=d.max_length,
-        logging_steps=1, report_to="none", save_strategy="no", use_cpu=use_cpu, seed=cfg.run.seed,
+        logging_steps=1, report_to="none", use_cpu=use_cpu, seed=cfg.run.seed,
         data_seed=cfg.run.seed, bf16=cfg.sft.bf16, gradient_checkpointing=cfg.sft.gradient_checkpointing,
         deepspeed=deepspeed_config(d.deepspeed, cfg.sft.bf16), dataloader_num_workers=0, lr_scheduler_type="cosine",
-        warmup_steps=0.1, disable_tqdm=False,
+        warmup_steps=0.1, disable_tqdm=False, **(checkpoints.trainer_args() if checkpoints else {"save_strategy": "no"}),
     )
+    resumed = checkpoints is not None and checkpoints.resume_from() is not None
+    callbacks = _callbacks(tracker, None, "train/", resumed=resumed)
+    if checkpoints is not None:
+        callbacks.append(checkpoints.callback(lambda: {"run_id": getattr(tracker, "run_id", None),
+                                                       "parent_run_id": getattr(tracker, "parent_run_id", None)}))
     pad = policy.tokenizer.pad_token_id
     trainer = AgentDPOTrainer(
         model=policy.model, ref_model=None, args=args, train_dataset=_dataset(train),
         eval_dataset=_dataset(heldout) if heldout else None, processing_class=policy.tokenizer,
         data_collator=Collator(pad_token_id=pad, max_length=d.max_length),
-        callbacks=_callbacks(tracker, None, "train/"),
+        callbacks=callbacks,
     )
     stats: dict[str, float] = {}
     if heldout:
         stats.update({f"heldout_before/{k.removeprefix('eval_')}": float(v)
                       for k, v in trainer.evaluate().items() if isinstance(v, (int, float))})
-    out = trainer.train()
-    stats.update({"train_loss": float(out.training_loss), "train_steps": float(out.global_step)})
+    if resumed and checkpoints.finished and not trainer.is_deepspeed_enabled:
+        done = checkpoints.load_finished(trainer)  # an earlier attempt finished training: nothing to train
+        loss, steps = done["train_loss"], done["global_step"]
+    else:  # (a finished ZeRO checkpoint resumes through the Trainer: one step more than planned)
+        out = trainer.train(resume_from_checkpoint=checkpoints.resume_from() if checkpoints else None)
+        loss, steps = out.training_loss, out.global_step
+    stats.update({"train_loss": float(loss), "train_steps": float(steps),
+                  "resumed_from": float(checkpoints.step if resumed else 0)})
     if heldout:
         stats.update({f"heldout/{k.removeprefix('eval_')}": float(v)
                       for k, v in trainer.evaluate().items() if isinstance(v, (int, float))})
@@ -167,22 +183,35 @@ def run(
         raise ValueError("dpo: no incoming policy (policy_model) to start from")
     from components.evaluation.evaluate import load_sandbox, quick_eval, world_beside
 
-    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+    # a KFP retry of this step reuses the A/B logs an earlier attempt simulated and resumes its training
+    ckpts = TrainerCheckpoints(phase_root(storage_root, parent_run_id, PHASE, cfg.dpo.checkpoint_uri),
+                               home / "staging" / PHASE / (parent_run_id or "standalone"), cfg.dpo.checkpoint_every,
+                               cfg.dpo.keep_checkpoints, cfg.dpo.resume)
+    logs_uri = cfg.dpo.ab_logs_uri or ab_logs
+    simulated = ckpts.store.stage(SIMULATED) if cfg.dpo.resume and not logs_uri else None
+    prior = json.loads((simulated / STAGE_STATE).read_text()) if simulated is not None else ckpts.state
+    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or prior.get("parent_run_id") or None,
+                   close_parent=False, resume_run_id=prior.get("run_id")) as tracker:
         work = Path(os.environ.get("AGENTRL_DPO_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
         work.mkdir(parents=True, exist_ok=True)
         world = world_beside(tasks_dir, world) or ""
-        sandbox = None
-        logs_uri = cfg.dpo.ab_logs_uri or ab_logs
-        if not logs_uri:  # the embedded default: simulate the deployment in the sandbox
+        if simulated is not None:  # simulated by an earlier attempt (its metrics are logged already)
+            logs_uri = str(simulated / "simulated.jsonl")
+            tracker.set_tags({"agentrl.dpo.resumed": "the simulated A/B logs of an earlier attempt"})
+        elif not logs_uri:  # the embedded default: simulate the deployment in the sandbox
             from components.dpo.simulator import simulate_ab
 
             sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
             champion = champion_model or policy_model
             pa = load_policy(champion, cache=home / "cache")
             pb = load_policy(policy_model, cache=home / "cache")
-            logs_uri = str(work / "ab_logs" / "simulated.jsonl")
+            sim_dir = work / SIMULATED
+            logs_uri = str(sim_dir / "simulated.jsonl")
             sim = simulate_ab(pa, champion, pb, policy_model, cfg, sandbox, logs_uri)
             tracker.log_metrics({f"ab_sim/{k}": v for k, v in sim.items()}, step=0)
+            (sim_dir / STAGE_STATE).write_text(json.dumps(
+                {"run_id": tracker.run_id, "parent_run_id": tracker.parent_run_id, "stats": sim}, indent=1))
+            ckpts.store.put_stage(SIMULATED, sim_dir)
             del pa, pb
         records, report = read_ab_logs(logs_uri, cfg.dpo.skip_invalid)
         tracker.log_metrics({"ab/records": float(report["read"]), "ab/skipped_lines": float(report["skipped"])}, step=0)
@@ -201,7 +230,8 @@ def run(
                              cache=home / "cache")
         if cfg.model.lora.enabled:
             policy = add_lora(policy, cfg.model.lora)
-        stats = train_dpo(policy, train, heldout, cfg, work / "trainer", tracker, use_cpu=cfg.run.device != "cuda")
+        stats = train_dpo(policy, train, heldout, cfg, work / "trainer", tracker, use_cpu=cfg.run.device != "cuda",
+                          checkpoints=ckpts)
         stats.update({"pairs_train": float(len(train)), "pairs_heldout": float(len(heldout))})
         out = Path(model_out) if model_out else work / "model"
         card = ModelCard(base_model=policy_model, phase=PHASE, parent_run_id=tracker.parent_run_id,

@@ -36,7 +36,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from components.core import storage
+from components.core.checkpoint import Checkpoints, phase_root
 from components.core.config import PipelineConfig
 from components.core.generation import make_backend
 from components.core.policy import add_lora, load_policy, save_policy
@@ -46,7 +46,6 @@ from components.core.schema import ModelCard, Task, Trajectory, Turn
 from components.core.tokens import ChatFormat, encode_messages
 from components.core.tracking import phase_run, rank, setup_phase
 from components.grpo.advantages import group_advantages, turn_advantages, zero_variance
-from components.grpo.checkpoint import Checkpoints
 from components.grpo.curriculum import Curriculum
 from components.grpo.loss import (
     Sample,
@@ -188,8 +187,7 @@ def run(
         set_torch_threads(g.torch_threads)
 
     # 1. checkpoints: the same place on a KFP retry (it depends on the parent run, not on this attempt)
-    root = checkpoint_uri or g.checkpoint_uri or storage.join(
-        storage_root, "checkpoints", parent_run_id or "standalone", PHASE)
+    root = phase_root(storage_root, parent_run_id, PHASE, checkpoint_uri or g.checkpoint_uri)
     ckpts = Checkpoints(root, staging=home / "staging" / PHASE / (parent_run_id or "standalone"),
                         keep=g.keep_checkpoints)
     latest = ckpts.latest() if g.resume else None

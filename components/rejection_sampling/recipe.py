@@ -8,6 +8,7 @@
    task: solved without a hard violation, then higher reward, fewer steps, fewer tokens; near-duplicate
    action sequences (difflib similarity >= dedup_similarity) removed.
 5. SFT on the kept trajectories with the SFT phase's own `train_sft` (loss on agent tokens only).
+   A KFP retry reuses the kept set an earlier attempt published and resumes the SFT from its checkpoint.
 6. Measure the gain on a held-out suite (hard by default) against the incoming policy; save.
 
 No hard task (a policy that never or always succeeds) means nothing to learn from: the incoming model
@@ -16,6 +17,7 @@ passes through unchanged and the run says so (`tasks_covered` = 0) — never a s
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -25,14 +27,17 @@ from pathlib import Path
 
 from components.core import storage
 from components.core.buffer import TrajectoryBuffer
+from components.core.checkpoint import TrainerCheckpoints, phase_root
 from components.core.generation import make_backend
 from components.core.policy import add_lora, load_policy, save_policy
 from components.core.rollout import RolloutSettings, rollout
-from components.core.schema import ModelCard, Task, Trajectory, write_jsonl
+from components.core.schema import ModelCard, Task, Trajectory, read_jsonl, write_jsonl
 from components.core.tokens import ChatFormat
 from components.core.tracking import phase_run, setup_phase
 
 PHASE = "rejection_sampling"
+KEPT = "kept"  # the stage a retry reuses: the kept trajectories and the metrics of steps 2-4
+STAGE_STATE = "stage.json"
 
 
 @dataclass
@@ -69,6 +74,45 @@ def select_best(samples: list[Trajectory], k: int, similarity: float) -> dict[st
     return TrajectoryBuffer([t for t in samples if clean_success(t)]).top_k(k, similarity=similarity)
 
 
+def _best_of_n(cfg, sandbox, policy, policy_model: str, tracker) -> tuple[list[Trajectory], dict[str, float]]:
+    """Steps 2-4: probe the train tasks, pick the hard ones, sample N on each, keep the top k."""
+    from components.sandbox.env import WorkspaceEnv
+
+    rs = cfg.rejection_sampling
+    backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
+                           model_dir=policy_model, device="cuda" if cfg.run.device == "cuda" else "cpu")
+    fmt = ChatFormat(policy.tokenizer)
+
+    def sample(tasks: list[Task], n: int, seed: int) -> list[Trajectory]:
+        settings = RolloutSettings.from_config(cfg, group_size=n, seed=seed, policy_name="rs-sample")
+        return rollout(backend, lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards), fmt, tasks,
+                       settings, rewards=cfg.rewards)
+
+    # 2-3. probe, pick the hard tasks
+    probes = sample(probe_pool(sandbox.suites["train"], rs.probe_tasks, cfg.run.seed), rs.probe_samples, cfg.run.seed)
+    rate = TrajectoryBuffer(probes).success_rate()
+    hard_ids = {t for t, r in rate.items() if rs.hard_success_min < r <= rs.hard_success_max}
+    by_id = {t.id: t for t in sandbox.suites["train"]}
+    hard = [by_id[t] for t in sorted(hard_ids)]
+    metrics: dict[str, float] = {"probe_tasks": float(len(rate)), "hard_tasks": float(len(hard)),
+                                 "probe_success": sum(rate.values()) / max(1, len(rate))}
+    tracker.log_metrics(metrics, step=0)
+
+    # 4. best-of-N on the hard tasks
+    samples = [t for t in probes if t.task_id in hard_ids]
+    if hard and rs.num_samples > rs.probe_samples:
+        samples += sample(hard, rs.num_samples - rs.probe_samples, cfg.run.seed + 1)
+    kept = select_best(samples, rs.top_k, rs.dedup_similarity)
+    chosen = [t for ts in kept.values() for t in ts]
+    level = {t.id: t.level for t in hard}
+    sampled_lv, kept_lv = Counter(level[t.task_id] for t in samples), Counter(level[t.task_id] for t in chosen)
+    metrics.update({"samples": float(len(samples)), "kept": float(len(chosen)), "tasks_covered": float(len(kept)),
+                    "acceptance_rate": len(chosen) / max(1, len(samples))})
+    metrics.update({f"acceptance_rate/L{lv}": kept_lv[lv] / n for lv, n in sorted(sampled_lv.items())})
+    tracker.log_metrics(metrics, step=0)
+    return chosen, metrics
+
+
 def run(
     preset: str = "tiny",
     overrides: str = "",
@@ -82,62 +126,46 @@ def run(
     if not policy_model:
         raise ValueError("rejection_sampling: no incoming policy (policy_model) to start from")
     from components.evaluation.evaluate import load_sandbox, quick_eval, world_beside
-    from components.sandbox.env import WorkspaceEnv
     from components.sft.trainer import demo_example, train_sft
 
     rs = cfg.rejection_sampling
     world = world_beside(tasks_dir, world) or ""
-    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+    # a KFP retry of this step reuses the kept set of the attempt before it and resumes its SFT
+    ckpts = TrainerCheckpoints(phase_root(storage_root, parent_run_id, PHASE),
+                               home / "staging" / PHASE / (parent_run_id or "standalone"), cfg.sft.checkpoint_every,
+                               cfg.sft.keep_checkpoints, cfg.sft.resume)
+    kept_dir = ckpts.store.stage(KEPT) if cfg.sft.resume else None
+    prior = json.loads((kept_dir / STAGE_STATE).read_text()) if kept_dir is not None else {}
+    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or prior.get("parent_run_id") or None,
+                   close_parent=False, resume_run_id=prior.get("run_id")) as tracker:
         work = Path(os.environ.get("AGENTRL_RS_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
         work.mkdir(parents=True, exist_ok=True)
         sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
         policy = load_policy(policy_model, dtype="bfloat16" if cfg.sft.bf16 else "float32", trainable=True,
                              cache=home / "cache")
-        backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
-                               model_dir=policy_model, device="cuda" if cfg.run.device == "cuda" else "cpu")
-        fmt = ChatFormat(policy.tokenizer)
-
-        def sample(tasks: list[Task], n: int, seed: int) -> list[Trajectory]:
-            settings = RolloutSettings.from_config(cfg, group_size=n, seed=seed, policy_name="rs-sample")
-            return rollout(backend, lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards), fmt, tasks,
-                           settings, rewards=cfg.rewards)
-
-        # 2-3. probe, pick the hard tasks
-        probes = sample(probe_pool(sandbox.suites["train"], rs.probe_tasks, cfg.run.seed), rs.probe_samples,
-                        cfg.run.seed)
-        rate = TrajectoryBuffer(probes).success_rate()
-        hard_ids = {t for t, r in rate.items() if rs.hard_success_min < r <= rs.hard_success_max}
-        by_id = {t.id: t for t in sandbox.suites["train"]}
-        hard = [by_id[t] for t in sorted(hard_ids)]
-        metrics: dict[str, float] = {"probe_tasks": float(len(rate)), "hard_tasks": float(len(hard)),
-                                     "probe_success": sum(rate.values()) / max(1, len(rate))}
-        tracker.log_metrics(metrics, step=0)
-
-        # 4. best-of-N on the hard tasks
-        samples = [t for t in probes if t.task_id in hard_ids]
-        if hard and rs.num_samples > rs.probe_samples:
-            samples += sample(hard, rs.num_samples - rs.probe_samples, cfg.run.seed + 1)
-        kept = select_best(samples, rs.top_k, rs.dedup_similarity)
-        chosen = [t for ts in kept.values() for t in ts]
-        level = {t.id: t.level for t in hard}
-        sampled_lv, kept_lv = Counter(level[t.task_id] for t in samples), Counter(level[t.task_id] for t in chosen)
-        metrics.update({"samples": float(len(samples)), "kept": float(len(chosen)), "tasks_covered": float(len(kept)),
-                        "acceptance_rate": len(chosen) / max(1, len(samples))})
-        metrics.update({f"acceptance_rate/L{lv}": kept_lv[lv] / n for lv, n in sorted(sampled_lv.items())})
-        write_jsonl(work / "kept" / "trajectories.jsonl", chosen)
-        tracker.log_metrics(metrics, step=0)
+        if kept_dir is not None:  # steps 2-4 finished in an earlier attempt (their metrics are logged already)
+            chosen = list(read_jsonl(str(kept_dir / "trajectories.jsonl"), Trajectory))
+            metrics: dict[str, float] = prior["metrics"]
+            tracker.set_tags({"agentrl.rejection_sampling.resumed": "the kept set of an earlier attempt"})
+        else:
+            chosen, metrics = _best_of_n(cfg, sandbox, policy, policy_model, tracker)
+            kept_dir = work / KEPT
+            write_jsonl(kept_dir / "trajectories.jsonl", chosen)
+            (kept_dir / STAGE_STATE).write_text(json.dumps(
+                {"run_id": tracker.run_id, "parent_run_id": tracker.parent_run_id, "metrics": metrics}, indent=1))
+            ckpts.store.put_stage(KEPT, kept_dir)
 
         # 5. SFT on the best, with the SFT phase's recipe
         out = Path(model_out) if model_out else work / "model"
         card = ModelCard(base_model=policy_model, phase=PHASE, parent_run_id=tracker.parent_run_id,
-                         run_id=tracker.run_id, extra={"kept": len(chosen), "hard_tasks": len(hard)})
+                         run_id=tracker.run_id, extra={"kept": len(chosen), "hard_tasks": int(metrics["hard_tasks"])})
         if chosen:
             if cfg.model.lora.enabled:
                 policy = add_lora(policy, cfg.model.lora)
             sft = cfg.sft.model_copy(update={"epochs": rs.sft_epochs, "learning_rate": rs.sft_learning_rate,
                                              "max_steps": -1})
             stats = train_sft(policy, [demo_example(t) for t in chosen], sft, work / "trainer", cfg.run.seed, tracker,
-                              use_cpu=cfg.run.device != "cuda", metric_prefix="sft/")
+                              use_cpu=cfg.run.device != "cuda", metric_prefix="sft/", checkpoints=ckpts)
             metrics.update({f"sft/{k}": v for k, v in stats.items()})
             save_policy(policy, out, card, merge=False)
         else:  # nothing to learn from: the incoming model passes through, and the metrics say so
@@ -156,5 +184,5 @@ def run(
         tracker.log_metrics(metrics, step=1)
         card.metrics = dict(metrics)
         uri = tracker.store_model(out, storage_root, card)
-        storage.put_dir(work / "kept", tracker.storage_uri(storage_root, "kept"))
+        storage.put_dir(kept_dir, tracker.storage_uri(storage_root, KEPT))
         return RSResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics)

@@ -9,7 +9,8 @@
    error observation in the prompt, the corrected turns as the completion — the model learns to
    recover, never to make the mistake.
 4. Load the base policy (full fine-tune, or a LoRA adapter on it), train with a wall-clock budget,
-   metrics to MLflow every logging step.
+   metrics to MLflow every logging step, a checkpoint to storage every `sft.checkpoint_every` steps; a
+   retried step (KFP retry after preemption) resumes from the newest one instead of starting over.
 5. Save the model (with `agentrl.json`), store it under the run's prefix, and measure it on the
    held-out easy suite with the evaluation phase's code.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from components.core import storage
+from components.core.checkpoint import TrainerCheckpoints, phase_root
 from components.core.config import SFTConfig
 from components.core.policy import Policy, add_lora, load_policy, save_policy
 from components.core.schema import ModelCard, Trajectory, read_jsonl
@@ -104,21 +106,27 @@ def deepspeed_config(name: str | None, bf16: bool) -> dict[str, Any] | str | Non
 # Training (reused by rejection sampling)
 # ----------------------------------------------------------------------------------------------
 class Clock:
-    """The training's wall clock: started when the first step begins (not while the data is tokenised)."""
+    """The training's wall clock: started when the first step begins (not while the data is tokenised).
+    `spent_before`: seconds an earlier attempt trained (a resumed run has only the rest of the budget)."""
 
-    def __init__(self, max_minutes: float | None) -> None:
+    def __init__(self, max_minutes: float | None, spent_before: float = 0.0) -> None:
         self.budget_s = max_minutes * 60 if max_minutes is not None else None
+        self.spent_before = spent_before
         self.started: float | None = None
 
     def start(self) -> None:
         if self.started is None:
             self.started = time.monotonic()
 
+    def spent(self) -> float:
+        """Seconds trained, this attempt and the ones before it."""
+        return self.spent_before + (time.monotonic() - self.started if self.started is not None else 0.0)
+
     def fraction(self) -> float:
         """Share of the budget spent (0 without a budget or before the start)."""
         if self.budget_s is None or self.started is None:
             return 0.0
-        return (time.monotonic() - self.started) / self.budget_s
+        return self.spent() / self.budget_s
 
 
 def budget_cosine(clock: Clock, total_steps: int, warmup: float) -> Any:
@@ -138,15 +146,44 @@ def budget_cosine(clock: Clock, total_steps: int, warmup: float) -> Any:
     return factor
 
 
-def _callbacks(tracker: PhaseRun | None, clock: Clock | None = None, prefix: str = ""):
+def epoch_seeded(sampler: Any, seed: int) -> Any:
+    """HF's length-grouped sampler draws each epoch's order from the global RNG, which a resumed run does not
+    have in the same state: here each epoch's order comes from (seed, epoch), so a resume sees the same data."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    if type(sampler) is not LengthGroupedSampler:
+        return sampler
+
+    class EpochSeeded(LengthGroupedSampler):
+        def set_epoch(self, epoch: int) -> None:  # accelerate's data loader calls it before every epoch
+            self.generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+
+    import torch
+
+    out = EpochSeeded(sampler.batch_size, lengths=sampler.lengths)
+    out.set_epoch(0)
+    return out
+
+
+def _callbacks(tracker: PhaseRun | None, clock: Clock | None = None, prefix: str = "", resumed: bool = False):
+    """MLflow logging and the wall-clock budget. A resumed run re-trains the steps after its checkpoint,
+    which the attempt before it may have logged already: those steps are not logged twice."""
     from transformers import TrainerCallback
 
     clock = clock or Clock(None)
+    logged_upto: dict[str, int] = {}
 
     class Track(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):
-            if tracker is not None and logs:
-                vals = {prefix + k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
+            if tracker is None or not logs:
+                return
+            vals = {prefix + k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
+            if resumed:
+                new = {k for k in vals if k not in logged_upto}
+                if new:
+                    logged_upto.update(tracker.last_steps(new))
+                vals = {k: v for k, v in vals.items() if state.global_step > logged_upto.get(k, -1)}
+            if vals:
                 tracker.log_metrics(vals, step=state.global_step)
 
     class Budget(TrainerCallback):
@@ -170,8 +207,12 @@ def train_sft(
     use_cpu: bool = True,
     metric_prefix: str = "",
     save_to: str | os.PathLike | None = None,
+    checkpoints: TrainerCheckpoints | None = None,
 ) -> dict[str, float]:
-    """Fine-tune `policy.model` in place on conversational prompt/completion examples."""
+    """Fine-tune `policy.model` in place on conversational prompt/completion examples.
+
+    With `checkpoints`, the Trainer's checkpoints are published to storage as it saves them, and a newer
+    one left by an earlier attempt is resumed from (steps, optimizer, scheduler, RNG, budget spent)."""
     from trl import SFTConfig as TRLSFTConfig
     from trl import SFTTrainer
 
@@ -184,12 +225,22 @@ def train_sft(
         max_grad_norm=sft.max_grad_norm, lr_scheduler_type="cosine", logging_steps=sft.logging_steps,
         max_length=sft.max_seq_len, assistant_only_loss=True, completion_only_loss=True, bf16=sft.bf16,
         gradient_checkpointing=sft.gradient_checkpointing, deepspeed=deepspeed_config(sft.deepspeed, sft.bf16),
-        use_cpu=use_cpu, report_to="none", save_strategy="no", seed=seed, data_seed=seed,
+        use_cpu=use_cpu, report_to="none", seed=seed, data_seed=seed,
         dataloader_num_workers=0, disable_tqdm=False, train_sampling_strategy="group_by_length",  # less padding
+        **(checkpoints.trainer_args() if checkpoints else {"save_strategy": "no"}),
     )
-    clock = Clock(sft.max_minutes)
+    resumed = checkpoints is not None and checkpoints.resume_from() is not None
+    clock = Clock(sft.max_minutes, spent_before=checkpoints.state.get("train_seconds", 0.0) if resumed else 0.0)
+    callbacks = _callbacks(tracker, clock, metric_prefix, resumed=resumed)
+    if checkpoints is not None:
+        callbacks.append(checkpoints.callback(lambda: {
+            "run_id": getattr(tracker, "run_id", None), "parent_run_id": getattr(tracker, "parent_run_id", None),
+            "train_seconds": clock.spent()}))
 
     class Trainer(SFTTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return epoch_seeded(super()._get_train_sampler(train_dataset), seed)
+
         def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
             if sft.max_minutes is None:
                 return super().create_scheduler(num_training_steps, optimizer)
@@ -201,10 +252,14 @@ def train_sft(
             return self.lr_scheduler
 
     trainer = Trainer(model=policy.model, args=args, train_dataset=dataset, processing_class=policy.tokenizer,
-                      callbacks=_callbacks(tracker, clock, metric_prefix))
-    t0 = time.perf_counter()
-    out = trainer.train()
-    seconds = time.perf_counter() - t0
+                      callbacks=callbacks)
+    if resumed and checkpoints.finished and not trainer.is_deepspeed_enabled:
+        out = checkpoints.load_finished(trainer)  # an earlier attempt finished training: nothing to train
+        loss, steps = out["train_loss"], out["global_step"]
+    else:  # (a finished ZeRO checkpoint resumes through the Trainer: one step more than planned)
+        out = trainer.train(resume_from_checkpoint=checkpoints.resume_from() if checkpoints else None)
+        loss, steps = out.training_loss, out.global_step
+    seconds = clock.spent()
     tokens = sum(len(x) for x in trainer.train_dataset["input_ids"])
     if save_to is not None:
         # collective under DDP / DeepSpeed ZeRO-3 (gathers the shards); every rank must call it
@@ -214,9 +269,10 @@ def train_sft(
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
-    return {"train_loss": float(out.training_loss), "train_seconds": seconds, "train_steps": float(out.global_step),
+    return {"train_loss": float(loss), "train_seconds": seconds, "train_steps": float(steps),
             "train_examples": float(len(dataset)), "train_tokens_per_epoch": float(tokens),
-            "world_size": float(args.world_size), "deepspeed": float(bool(trainer.is_deepspeed_enabled))}
+            "world_size": float(args.world_size), "deepspeed": float(bool(trainer.is_deepspeed_enabled)),
+            "resumed_from": float(checkpoints.step if resumed else 0)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,7 +293,15 @@ def run(
     if not data_uri:
         raise ValueError("sft: no demonstrations — set sft.data_uri or give the sandbox_build demos")
     base_uri = base_model or cfg.model.base_uri
-    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+    # checkpoints where a KFP retry of this step finds them (they depend on the parent run, not the attempt)
+    ckpts = TrainerCheckpoints(phase_root(storage_root, parent_run_id, PHASE, cfg.sft.checkpoint_uri),
+                               home / "staging" / PHASE / (parent_run_id or "standalone") / f"rank{rank()}",
+                               cfg.sft.checkpoint_every,
+                               cfg.sft.keep_checkpoints, cfg.sft.resume)
+    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or ckpts.state.get("parent_run_id") or None,
+                   close_parent=False, resume_run_id=ckpts.state.get("run_id")) as tracker:
+        if ckpts.step:
+            tracker.set_tags({"agentrl.sft.resumed_from": str(ckpts.step)})
         trajs = load_demos(data_uri)
         examples = [demo_example(t) for t in trajs]
         n_error = 0
@@ -262,7 +326,7 @@ def run(
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or bool(cfg.sft.deepspeed)
         out = Path(model_out) if model_out else work / "model"
         stats = train_sft(policy, examples, cfg.sft, work / "trainer", cfg.run.seed, tracker,
-                          use_cpu=cfg.run.device != "cuda", save_to=out if distributed else None)
+                          use_cpu=cfg.run.device != "cuda", save_to=out if distributed else None, checkpoints=ckpts)
         if rank() != 0:
             return None  # rank 0 saves, measures and tracks
         tracker.log_metrics(stats, step=int(stats["train_steps"]))

@@ -6,9 +6,11 @@ import json
 import math
 
 import pytest
+from mlflow import MlflowClient
 
 from components.core.config import load_config
 from components.core.schema import ABRecord, PreferencePair, read_jsonl
+from components.core.tracking import local_tracking_uri, start_pipeline_run
 from components.dpo import run
 from components.evaluation.evaluate import load_sandbox
 from tests.helpers.runtime import tiny_on_sandbox
@@ -26,7 +28,8 @@ def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
     sb = load_sandbox(cfg)
     model = tiny_on_sandbox(tmp_path / "tiny", cfg.sandbox, sb.world, sb.suites, n_demos=20)
     monkeypatch.setenv("AGENTRL_DPO_WORKDIR", str(tmp_path / "work"))
-    res = run(overrides=json.dumps(overrides), policy_model=str(model))
+    parent = start_pipeline_run(local_tracking_uri(tmp_path / "home"), "agentrl", "dpo-test")
+    res = run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
 
     logs = list(read_jsonl(tmp_path / "work" / "ab_logs" / "simulated.jsonl", ABRecord))
     assert len(logs) == 24 and {r.variant for r in logs} == {"A", "B"}
@@ -41,3 +44,15 @@ def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
     assert res.metrics["safety_regression"] in (0.0, 1.0)
     card = json.loads((tmp_path / "work" / "model" / "agentrl.json").read_text())
     assert card["phase"] == "dpo" and card["base_model"] == str(model)
+
+    # a KFP retry of the step (the pod died after training): the simulated logs and the finished checkpoint
+    # are reused — no new simulation, no training step, the same weights, one MLflow run
+    weights = (tmp_path / "work" / "model" / "model.safetensors").read_bytes()
+    again = run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
+    assert again.run_id == res.run_id
+    assert again.metrics["resumed_from"] == again.metrics["train_steps"] == res.metrics["train_steps"]
+    assert (tmp_path / "work" / "model" / "model.safetensors").read_bytes() == weights
+    client = MlflowClient(local_tracking_uri(tmp_path / "home"))
+    run_ = client.get_run(res.run_id)
+    assert run_.data.tags["agentrl.dpo.resumed"]
+    assert len(client.get_metric_history(res.run_id, "dpo/ab_sim/requests")) == 1

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
+from components.core.checkpoint import Checkpoints
 from components.core.config import CollapseMonitorConfig, CurriculumConfig
 from components.core.schema import Task, Turn, Verifier
 from components.grpo.advantages import group_advantages, returns_to_go, turn_advantages, zero_variance
-from components.grpo.checkpoint import Checkpoints
 from components.grpo.curriculum import Curriculum
 from components.grpo.loss import Sample, collate, grpo_loss, sample_from_turns, token_logprobs
 from components.grpo.monitor import CollapseMonitor

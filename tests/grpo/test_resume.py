@@ -16,7 +16,7 @@ import pytest
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from components.grpo.checkpoint import Checkpoints
+from components.core.checkpoint import Checkpoints
 
 pytestmark = pytest.mark.slow
 STEPS = 6

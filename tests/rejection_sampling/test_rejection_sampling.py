@@ -10,6 +10,7 @@ import pytest
 from components.core.config import load_config
 from components.core.policy import load_policy
 from components.core.schema import RewardBreakdown, Task, Trajectory, Turn, Verdict, read_jsonl
+from components.core.tracking import local_tracking_uri, start_pipeline_run
 from components.rejection_sampling import recipe
 from components.rejection_sampling.recipe import probe_pool, select_best
 from components.sandbox.expert import render_json
@@ -84,7 +85,8 @@ def test_phase_finds_hard_tasks_keeps_the_best_and_fine_tunes(tmp_path, monkeypa
 
     monkeypatch.setattr(recipe, "make_backend", scripted_sampling)
     monkeypatch.setenv("AGENTRL_RS_WORKDIR", str(tmp_path / "work"))
-    res = recipe.run(overrides=json.dumps(overrides), policy_model=str(model))
+    parent = start_pipeline_run(local_tracking_uri(tmp_path / "home"), "agentrl", "rs-test")
+    res = recipe.run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
     assert calls
     m = res.metrics
     assert 0 < m["hard_tasks"] <= 8 and m["tasks_covered"] > 0
@@ -97,6 +99,15 @@ def test_phase_finds_hard_tasks_keeps_the_best_and_fine_tunes(tmp_path, monkeypa
     assert m["sft/train_steps"] > 0 and "easy/tgc" in m and "gain/easy/tgc" in m
     card = json.loads((tmp_path / "work" / "model" / "agentrl.json").read_text())
     assert card["phase"] == "rejection_sampling" and card["extra"]["kept"] == len(kept)
+
+    # a KFP retry of the step: the kept set and the finished SFT checkpoint are reused (no sampling, no step)
+    weights = (tmp_path / "work" / "model" / "model.safetensors").read_bytes()
+    calls.clear()
+    again = recipe.run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
+    assert not calls and again.run_id == res.run_id
+    assert again.metrics["sft/resumed_from"] == again.metrics["sft/train_steps"] == m["sft/train_steps"]
+    assert again.metrics["kept"] == m["kept"]
+    assert (tmp_path / "work" / "model" / "model.safetensors").read_bytes() == weights
 
 
 @pytest.mark.slow

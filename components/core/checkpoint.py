@@ -42,11 +42,12 @@ def phase_root(storage_root: str, parent_run_id: str | None, phase: str, overrid
 
 
 class Checkpoints:
-    def __init__(self, root: str, staging: str | Path, keep: int = 2, state_name: str = STATE) -> None:
+    def __init__(self, root: str, staging: str | Path, keep: int = 2, state_name: str = STATE, rank: int = 0) -> None:
         self.root = str(root)
         self.staging = Path(staging)
         self.keep = keep
         self.state_name = state_name
+        self.rank = rank  # a process of several fetches into a directory of its own
 
     def complete(self) -> list[tuple[int, str]]:
         """(step, uri) of every complete checkpoint, oldest first."""
@@ -62,25 +63,38 @@ class Checkpoints:
         done = self.complete()
         return done[-1] if done else None
 
-    def save(self, step: int, write: Callable[[Path], None], state: dict[str, Any]) -> str:
-        """Stage, write (`write(dir)` + the trainer state), publish atomically, prune the oldest."""
+    def save(self, step: int, write: Callable[[Path], None], state: dict[str, Any], main: bool = True,
+             barrier: Callable[[], None] = lambda: None) -> str:
+        """Stage, write (`write(dir)` + the state), publish atomically, prune the oldest.
+
+        Several processes (accelerate's save_state writes from every rank into one directory): every rank
+        calls it with `barrier`; the main one (`main`) prepares the directory, writes the state and publishes.
+        The staging directory is then one per node: a multi-node ZeRO checkpoint holds the main node's shards
+        only, so it resumes only with a staging directory on a shared volume.
+        """
         local = self.staging / step_name(step)
-        if local.exists():
-            shutil.rmtree(local)
-        local.mkdir(parents=True)
+        if main:
+            if local.exists():
+                shutil.rmtree(local)
+            local.mkdir(parents=True)
+        barrier()
+        local.mkdir(parents=True, exist_ok=True)  # another node's own staging directory
         write(local)
-        (local / self.state_name).write_text(json.dumps({"step": step, **state}, indent=1, sort_keys=True))
+        barrier()
         uri = storage.join(self.root, step_name(step))
-        storage.put_dir(local, uri)
-        shutil.rmtree(local, ignore_errors=True)
-        for _, old in self.complete()[: -self.keep]:
-            storage.delete(old)
+        if main:
+            (local / self.state_name).write_text(json.dumps({"step": step, **state}, indent=1, sort_keys=True))
+            storage.put_dir(local, uri)
+            shutil.rmtree(local, ignore_errors=True)
+            for _, old in self.complete()[: -self.keep]:
+                storage.delete(old)
+        barrier()
         return uri
 
     def fetch(self, uri: str) -> tuple[Path, dict[str, Any]]:
         """A local copy of a complete checkpoint (verified against its manifest) and its trainer state."""
         if storage.is_s3(uri):
-            local = storage.get_dir(uri, self.staging / ("fetched-" + uri.rstrip("/").rpartition("/")[2]))
+            local = storage.get_dir(uri, self.staging / (f"fetched-r{self.rank}-" + uri.rstrip("/").rpartition("/")[2]))
         else:
             storage.read_manifest(uri)  # refuses an incomplete directory
             local = Path(uri)

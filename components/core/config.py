@@ -387,9 +387,6 @@ class GRPOConfig(_Checkpointed):
     @model_validator(mode="after")
     def _ds(self) -> GRPOConfig:
         _check_deepspeed("grpo", self.deepspeed)
-        if self.multi_node.enabled:
-            raise ValueError("grpo.multi_node.enabled: not supported yet — the GRPO loop runs in one process "
-                             "(one GPU, vLLM or HF generation); use sft.multi_node for multi-node training")
         if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
             raise ValueError(
                 f"grpo.clip_eps_high={self.clip_eps_high} must be >= grpo.clip_eps={self.clip_eps}"
@@ -496,6 +493,9 @@ class PipelineConfig(_Section):
                 f"generation.max_new_tokens={self.generation.max_new_tokens} must be < "
                 f"generation.max_context_tokens={self.generation.max_context_tokens}"
             )
+        if self.grpo.multi_node.enabled and self.generation.backend == "vllm":
+            raise ValueError("grpo.multi_node.enabled with generation.backend='vllm': the data-parallel GRPO loop "
+                             "generates with 'hf' (one vLLM engine per process is not built)")
         if self.preset == "h100" and self.model.base_uri == "tiny":
             raise ValueError("model.base_uri='tiny' with preset 'h100': give a model path or s3:// URI")
         return self

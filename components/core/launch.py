@@ -157,3 +157,64 @@ def phase_command(module: str, kwargs_json: str, result_uri: str, gpus_per_node:
     """torchrun over a node's GPUs; the rendezvous comes from the TrainJob runtime / PyTorchJob env."""
     return ["torchrun", f"--nproc-per-node={max(1, gpus_per_node)}", "-m", module, "--args", kwargs_json,
             "--result", result_uri]
+
+
+# ----------------------------------------------------------------------------------------------
+# A phase over several processes: torchrun on this pod, or a job over several nodes
+# ----------------------------------------------------------------------------------------------
+JOB_ENV = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "MLFLOW_S3_ENDPOINT_URL", "HF_HUB_OFFLINE")
+
+
+def run_torchrun(module: str, nproc: int, kwargs: dict[str, Any], workdir_env: str) -> dict[str, Any]:
+    """Run `python -m <module> --args ...` under torchrun with `nproc` processes (one per GPU; gloo on CPU
+    in tests) and return rank 0's result. `workdir_env` names the phase's work-directory variable: the
+    processes share one work directory."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        result = Path(d) / "result.json"
+        env = dict(os.environ, **{workdir_env: os.environ.get(workdir_env) or str(Path(d) / "work")})
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+               "-m", module, "--args", json.dumps(kwargs), "--result", str(result)]
+        subprocess.run(cmd, check=True, env=env)
+        return json.loads(result.read_text())
+
+
+def run_as_job(module: str, phase: str, mn: MultiNodeConfig, storage_root: str | None, kwargs: dict[str, Any],
+               dir_keys: tuple[str, ...], file_keys: dict[str, str]) -> dict[str, Any]:
+    """Run a phase as a multi-node TrainJob/PyTorchJob and wait for it; return its rank 0's result.
+
+    The step's local inputs are staged to storage first (the job's pods cannot see this pod's files):
+    `dir_keys` name directory arguments, `file_keys` file arguments (with the name they get on storage).
+    The job's rank 0 tracks under the same parent run, stores the model and writes the result back.
+    """
+    import json
+    import uuid
+
+    from components.core import storage
+
+    if not storage_root or not storage.is_s3(storage_root):
+        raise ValueError(f"{phase}.multi_node.enabled needs storage.root on S3 (the job's pods share nothing else)")
+    job = f"agentrl-{phase.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
+    staged = storage.join(storage_root, "multi-node", job)
+    remote = dict(kwargs)
+    for key in dir_keys:
+        if kwargs.get(key) and not storage.is_s3(kwargs[key]):
+            storage.put_dir(kwargs[key], storage.join(staged, key))
+            remote[key] = storage.join(staged, key)
+    for key, name in file_keys.items():
+        if kwargs.get(key) and not storage.is_s3(kwargs[key]):
+            storage.put_file(kwargs[key], storage.join(staged, name))
+            remote[key] = storage.join(staged, name)
+    remote["model_out"] = None  # each job writes its own directory and stores it under the run's prefix
+    result_uri = storage.join(staged, "result.json")
+    env = {k: v for k, v in os.environ.items() if k in JOB_ENV}
+    JobLauncher(mn).run(job, phase_command(module, json.dumps(remote), result_uri, mn.gpus_per_node), env)
+    res = json.loads(storage.read_text(result_uri))
+    if kwargs.get("model_out"):
+        storage.get_dir(res["model_uri"], kwargs["model_out"])
+        res["model_dir"] = kwargs["model_out"]
+    return res

@@ -1,7 +1,7 @@
 """GRPO for multi-turn agents, top to bottom (one readable recipe, torchtune-style).
 
-The loop is written here on `accelerate` (one code path: one CPU process, or DeepSpeed ZeRO over the
-GPUs of a pod) instead of TRL's GRPOTrainer: its unit is a chain of multi-turn episodes with
+The loop is written here on `accelerate` (one code path: one CPU process, or data parallel over the GPUs
+of a pod or of several nodes, with DeepSpeed ZeRO when configured) instead of TRL's GRPOTrainer: its unit is a chain of multi-turn episodes with
 observations between agent turns and per-turn advantages, which single-completion trainers cannot
 express. `make bench` holds it against TRL on the single-turn case (`grpo.throughput_vs_trl`).
 
@@ -20,6 +20,11 @@ express. `make bench` holds it against TRL on the single-turn case (`grpo.throug
    f. metrics to MLflow; held-out evaluation every `eval_every` steps (best model kept);
       a checkpoint every `checkpoint_every` steps.
 4. Save the best (or last) policy as the phase's Model artifact.
+
+Several processes (torchrun; `run_distributed` on a multi-GPU pod, `run_multi_node` for a TrainJob): every
+rank draws the same step's tasks and rolls out its share of the groups; gradients are averaged by
+accelerate; the episodes are gathered so that the curriculum, the monitor, the repair and the metrics are
+the same on every rank; evaluation runs on every rank (ZeRO-3 gathers are collective) and rank 0 tracks.
 """
 
 from __future__ import annotations
@@ -170,7 +175,7 @@ def run(
         raise ValueError("grpo: no incoming policy (policy_model) to start from — the SFT model")
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, DistributedType, set_seed
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, gather_object, set_seed
     from transformers import get_constant_schedule
     from trl.models import unwrap_model_for_generation
 
@@ -179,6 +184,13 @@ def run(
     from components.sandbox.skills import SkillLibrary
 
     g = cfg.grpo
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before any work
+    if g.tasks_per_step % world_size:
+        raise ValueError(f"grpo.tasks_per_step={g.tasks_per_step} must be a multiple of the number of processes "
+                         f"({world_size}): every rank rolls out the same number of groups")
+    if world_size > 1 and cfg.generation.backend == "vllm":
+        raise ValueError("generation.backend='vllm' with several GRPO processes is not supported (one engine per "
+                         "process is not built); use 'hf', or one process with vLLM")
     world = world_beside(tasks_dir, world) or ""
     on_gpu = cfg.run.device == "cuda"
     if g.torch_threads and not on_gpu:
@@ -189,7 +201,7 @@ def run(
     # 1. checkpoints: the same place on a KFP retry (it depends on the parent run, not on this attempt)
     root = phase_root(storage_root, parent_run_id, PHASE, checkpoint_uri or g.checkpoint_uri)
     ckpts = Checkpoints(root, staging=home / "staging" / PHASE / (parent_run_id or "standalone"),
-                        keep=g.keep_checkpoints)
+                        keep=g.keep_checkpoints, rank=rank())
     latest = ckpts.latest() if g.resume else None
     local_ckpt, state = ckpts.fetch(latest[1]) if latest else (None, {})
 
@@ -203,7 +215,8 @@ def run(
         # 2. models, optimizer, accelerate
         ds = DeepSpeedPlugin(hf_ds_config=_ds_config(g)) if g.deepspeed else None
         L = g.sage.chain_length if g.sage.enabled else 1
-        ga = math.ceil(g.tasks_per_step * g.group_size * L / g.micro_batch_size)  # micro-batches per optimizer step
+        per_rank = g.tasks_per_step // world_size
+        ga = math.ceil(per_rank * g.group_size * L / g.micro_batch_size)  # micro-batches per optimizer step
         if ds is not None:
             ds.hf_ds_config.config["gradient_accumulation_steps"] = ga
         acc = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if g.bf16 else "no", deepspeed_plugin=ds,
@@ -245,6 +258,8 @@ def run(
         logged_upto: dict[str, int] = {}
 
         def log(metrics: dict[str, float], step: int) -> None:
+            if rank() != 0:
+                return
             if latest:
                 new = {k for k in metrics if k not in logged_upto}
                 if new:
@@ -267,7 +282,7 @@ def run(
             log(held, step)
             return held
 
-        if start == 0 and rank() == 0:
+        if start == 0:  # every rank evaluates (collective under ZeRO-3); rank 0 logs
             first = evaluate_now(0)
             best = {"score": first["heldout/tgc_mean"], "step": 0, "metrics": first}
             if g.output == "best":  # the incoming policy is a candidate too: GRPO must not hand on a worse one
@@ -284,11 +299,12 @@ def run(
         for step in bar:
             t0 = time.perf_counter()
             # a. tasks
-            chains = draw_tasks(cfg, curriculum, train, step)
+            chains = draw_tasks(cfg, curriculum, train, step)  # the same on every rank ...
+            chains = chains[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]  # ... each its share
             # b. rollouts (all samples of all chains, one batched generation per turn)
             settings = RolloutSettings.from_config(cfg, group_size=g.group_size, temperature=g.temperature,
-                                                   seed=cfg.run.seed * 1_000_003 + step, policy_name="grpo",
-                                                   progress=False)
+                                                   seed=cfg.run.seed * 1_000_003 + step + 7_919 * acc.process_index,
+                                                   policy_name="grpo", progress=False)
             model.eval()
             with unwrap_model_for_generation(model, acc):  # gathers ZeRO-3 shards for generation; else a no-op
                 flat_trajs = rollout(backend, env_factory(), fmt, chains, settings, rewards=cfg.rewards)
@@ -311,6 +327,11 @@ def run(
             stats = update(model, ref, opt, sched, acc, batch, g, pad_id, control_ids)
             if cfg.generation.backend == "vllm":
                 backend.update_weights(unwrapped)  # the rollout engine samples from the new weights
+            if acc.num_processes > 1:  # every rank sees every episode: the same curriculum, alarms and repair
+                stats = _mean_over_ranks(acc, {**stats, "zero_variance_groups": zero_var})
+                zero_var = stats.pop("zero_variance_groups")
+                groups, rewards = gather_object(groups), gather_object(rewards)
+                episodes = [t for grp in groups for s in grp for t in s]
             # e. monitor, curriculum, repair
             for t in episodes:
                 if not t.meta.get("expert"):
@@ -358,7 +379,7 @@ def run(
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", success=f"{metrics['success_rate']:.2f}",
                             alarms=len(alarms))
             done = step + 1
-            if g.eval_every and done % g.eval_every == 0 and done < g.steps and rank() == 0:
+            if g.eval_every and done % g.eval_every == 0 and done < g.steps:
                 held = evaluate_now(done)
                 if held["heldout/tgc_mean"] > best["score"]:
                     # one directory per best step: a resumed run trusts only the one its checkpoint names
@@ -366,20 +387,17 @@ def run(
                             "dir": str(work / f"best-step-{done:08d}")}
                     _save_trainable(acc, model, Path(best["dir"]))
             if done % g.checkpoint_every == 0 or done == g.steps:
-                acc.wait_for_everyone()
                 ckpts.save(done, lambda d: acc.save_state(str(d / "accelerate")),
                            {"run_id": tracker.run_id, "parent_run_id": tracker.parent_run_id,
                             "curriculum": curriculum.state_dict(), "monitor": monitor.state_dict(),
-                            "best": best})
-            if g.max_minutes and (time.perf_counter() - t_start) / 60 > g.max_minutes:
+                            "best": best}, main=acc.is_main_process, barrier=acc.wait_for_everyone)
+            if g.max_minutes and _any_rank(acc, (time.perf_counter() - t_start) / 60 > g.max_minutes):
                 tracker.set_tags({"agentrl.grpo.stopped": f"time budget of {g.max_minutes} min at step {done}"})
                 break
         bar.close()
         steps_done = step + 1 if g.steps > start else start
 
-        # 4. the model handed on
-        if rank() != 0:
-            return None  # type: ignore[return-value]
+        # 4. the model handed on (every rank evaluates and gathers — collective under ZeRO-3; rank 0 saves)
         final = evaluate_now(steps_done)
         out = Path(model_out) if model_out else work / "model"
         card = ModelCard(base_model=policy_model, phase=PHASE, parent_run_id=tracker.parent_run_id,
@@ -398,7 +416,10 @@ def run(
             else:
                 _load_trainable(policy.model, best_weights)
             final = best["metrics"]
-        metrics = {**{k: float(v) for k, v in last.items()}, **final, "best_step": float(best["step"] if use_best else steps_done)}
+        if rank() != 0:
+            return None  # type: ignore[return-value]
+        metrics = {**{k: float(v) for k, v in last.items()}, **final, "best_step": float(best["step"] if use_best else steps_done),
+                   "world_size": float(acc.num_processes)}
         card.metrics = {k: float(v) for k, v in final.items()}
         save_policy(policy, out, card, merge=False, state_dict=full)
         log({"final/" + k.removeprefix("heldout/"): v for k, v in final.items()}, steps_done)
@@ -407,6 +428,24 @@ def run(
             shutil.rmtree(d, ignore_errors=True)
         return GRPOResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics, steps_done,
                           latest[0] if latest else None)
+
+
+def run_distributed(nproc: int, **kwargs: Any) -> GRPOResult:
+    """Run the phase over `nproc` processes with torchrun (one per GPU; gloo on CPU for tests)."""
+    from components.core.launch import run_torchrun
+
+    return GRPOResult(**run_torchrun("components.grpo", nproc, kwargs, "AGENTRL_GRPO_WORKDIR"))
+
+
+def run_multi_node(**kwargs: Any) -> GRPOResult:
+    """Run the phase as a multi-node TrainJob/PyTorchJob (grpo.multi_node) and wait for it. Its checkpoints
+    live under the parent run on storage as always: a retried step launches a job that resumes."""
+    from components.core.config import load_config
+    from components.core.launch import run_as_job
+
+    cfg = load_config(preset=kwargs.get("preset") or None, overrides_json=kwargs.get("overrides") or None)
+    return GRPOResult(**run_as_job("components.grpo", PHASE, cfg.grpo.multi_node, cfg.storage.root, kwargs,
+                                   ("policy_model", "tasks_dir"), {"world": "world.json"}))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,6 +559,28 @@ def _skill_reuse(episodes: list[Trajectory]) -> float:
     later = [t for t in episodes if (t.chain_position or 0) > 0]
     pool = later or episodes
     return sum(bool(t.skills_used) for t in pool) / max(1, len(pool))
+
+
+def _mean_over_ranks(acc, stats: dict[str, float]) -> dict[str, float]:
+    """The update's statistics over the processes: means (over the ranks that report a key; the control-token
+    probabilities are optional), trained tokens summed. Every rank then raises the same alarms."""
+    from accelerate.utils import gather_object
+
+    every = gather_object([stats])
+    out = {}
+    for k in sorted({k for st in every for k in st}):
+        vals = [float(st[k]) for st in every if k in st]
+        out[k] = sum(vals) if k == "tokens" else sum(vals) / len(vals)
+    return out
+
+
+def _any_rank(acc, flag: bool) -> bool:
+    """True on every rank when it is true on one (the ranks stop at the same step)."""
+    if acc.num_processes == 1:
+        return flag
+    from accelerate.utils import gather_object
+
+    return any(gather_object([flag]))
 
 
 def _sage_metrics(groups: list[list[list[Trajectory]]]) -> dict[str, float]:

@@ -353,55 +353,19 @@ def run(
 
 def run_distributed(nproc: int, **kwargs: Any) -> SFTResult:
     """Run the phase over `nproc` processes with torchrun (one per GPU; gloo on CPU for tests)."""
-    import subprocess
-    import sys
-    import tempfile
+    from components.core.launch import run_torchrun
 
-    with tempfile.TemporaryDirectory() as d:
-        result = Path(d) / "result.json"
-        env = dict(os.environ, AGENTRL_SFT_WORKDIR=str(Path(d) / "work"))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-               "-m", "components.sft", "--args", json.dumps(kwargs), "--result", str(result)]
-        subprocess.run(cmd, check=True, env=env)
-        return SFTResult(**json.loads(result.read_text()))
+    return SFTResult(**run_torchrun("components.sft", nproc, kwargs, "AGENTRL_SFT_WORKDIR"))
 
 
 def run_multi_node(**kwargs: Any) -> SFTResult:
-    """Run the phase as a multi-node TrainJob/PyTorchJob (sft.multi_node) and wait for it.
-
-    The step's local inputs are staged to storage first (the job's pods cannot see this pod's files);
-    the job's rank 0 tracks under the same parent run, stores the model and writes the result back.
-    """
-    import uuid
-
+    """Run the phase as a multi-node TrainJob/PyTorchJob (sft.multi_node) and wait for it."""
     from components.core.config import load_config
-    from components.core.launch import JobLauncher, phase_command
+    from components.core.launch import run_as_job
 
     cfg = load_config(preset=kwargs.get("preset") or None, overrides_json=kwargs.get("overrides") or None)
-    mn = cfg.sft.multi_node
-    root = cfg.storage.root
-    if not root or not storage.is_s3(root):
-        raise ValueError("sft.multi_node.enabled needs storage.root on S3 (the job's pods share nothing else)")
-    job = f"agentrl-sft-{uuid.uuid4().hex[:8]}"
-    staged = storage.join(root, "multi-node", job)
-    remote = dict(kwargs)
-    for key in ("base_model", "demos", "tasks_dir"):
-        if kwargs.get(key) and not storage.is_s3(kwargs[key]):
-            storage.put_dir(kwargs[key], storage.join(staged, key))
-            remote[key] = storage.join(staged, key)
-    if kwargs.get("world") and not storage.is_s3(kwargs["world"]):
-        storage.put_file(kwargs["world"], storage.join(staged, "world.json"))
-        remote["world"] = storage.join(staged, "world.json")
-    remote["model_out"] = None  # each job writes its own directory and stores it under the run's prefix
-    result_uri = storage.join(staged, "result.json")
-    env = {k: v for k, v in os.environ.items() if k in ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION",
-                                                        "MLFLOW_S3_ENDPOINT_URL", "HF_HUB_OFFLINE")}
-    JobLauncher(mn).run(job, phase_command("components.sft", json.dumps(remote), result_uri, mn.gpus_per_node), env)
-    res = SFTResult(**json.loads(storage.read_text(result_uri)))
-    if kwargs.get("model_out"):
-        storage.get_dir(res.model_uri, kwargs["model_out"])
-        res.model_dir = kwargs["model_out"]
-    return res
+    return SFTResult(**run_as_job("components.sft", PHASE, cfg.sft.multi_node, cfg.storage.root, kwargs,
+                                  ("base_model", "demos", "tasks_dir"), {"world": "world.json"}))
 
 
 def gpus() -> int:

@@ -1,6 +1,7 @@
 """The agentrl pipeline (DESIGN.md §1). It grows as the phases land; today:
 sandbox_build -> prepare -> sft_warmup -> grpo -> rejection_sampling -> dpo -> evaluate -> promote (if the
-gate says so). GRPO checkpoints under the parent run, so a KFP retry of its task resumes where it stopped.
+gate says so). The training steps checkpoint under the parent run, so a KFP retry of a task resumes where it
+stopped.
 
 `build(plan)` makes the pipeline with a placement plan (pipelines/placement.py) applied to every task;
 `agent_rl` is the one with the `local` plan (kfp.local, nothing cluster-specific).

@@ -176,7 +176,7 @@ class GenerationConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(96, ge=1, le=32768, description="per agent turn")
     max_context_tokens: int = Field(2048, ge=64, le=1_048_576)
-    batch_size: int = Field(32, ge=1, le=4096)
+    batch_size: int = Field(128, ge=1, le=4096, description="episodes generated together (live slots)")
     vllm: VllmConfig = Field(default_factory=VllmConfig)
 
 
@@ -432,7 +432,7 @@ class DPOConfig(_Checkpointed):
     skip_invalid: bool = Field(False, description="skip and count malformed A/B lines instead of failing")
     beta: float = Field(0.1, gt=0, le=10)
     sft_weight: float = Field(0.0, ge=0, le=10, description="weight of an NLL term on the chosen side (RPO); 0 = plain DPO")
-    learning_rate: float = Field(5e-5, gt=0, lt=1)
+    learning_rate: float = Field(2e-4, gt=0, lt=1)
     epochs: float = Field(2.0, gt=0)
     batch_size: int = Field(8, ge=1)
     max_length: int = Field(1024, ge=32)

@@ -186,3 +186,15 @@ class TrainerCheckpoints:
                                {**state(), "finished": self.finished})
 
         return Publish()
+
+
+def train_or_resume(trainer: Any, checkpoints: TrainerCheckpoints | None) -> tuple[float, float, int]:
+    """`trainer.train()`, resumed from the newest checkpoint when there is one: (train loss, steps, resumed from).
+    A finished checkpoint is loaded instead of trained (a finished ZeRO one resumes through the Trainer: one
+    step more than planned)."""
+    resumed = checkpoints is not None and checkpoints.resume_from() is not None
+    if resumed and checkpoints.finished and not trainer.is_deepspeed_enabled:
+        done = checkpoints.load_finished(trainer)  # an earlier attempt finished training: nothing to train
+        return done["train_loss"], done["global_step"], checkpoints.step
+    out = trainer.train(resume_from_checkpoint=checkpoints.resume_from() if checkpoints else None)
+    return out.training_loss, out.global_step, checkpoints.step if resumed else 0

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from components.core import storage
-from components.core.checkpoint import TrainerCheckpoints, phase_root
+from components.core.checkpoint import TrainerCheckpoints, phase_root, train_or_resume
 from components.core.policy import add_lora, load_policy, save_policy
 from components.core.schema import ModelCard, PreferencePair, write_jsonl
 from components.core.tracking import phase_run, setup_phase
@@ -149,14 +149,8 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
     if heldout:
         stats.update({f"heldout_before/{k.removeprefix('eval_')}": float(v)
                       for k, v in trainer.evaluate().items() if isinstance(v, (int, float))})
-    if resumed and checkpoints.finished and not trainer.is_deepspeed_enabled:
-        done = checkpoints.load_finished(trainer)  # an earlier attempt finished training: nothing to train
-        loss, steps = done["train_loss"], done["global_step"]
-    else:  # (a finished ZeRO checkpoint resumes through the Trainer: one step more than planned)
-        out = trainer.train(resume_from_checkpoint=checkpoints.resume_from() if checkpoints else None)
-        loss, steps = out.training_loss, out.global_step
-    stats.update({"train_loss": float(loss), "train_steps": float(steps),
-                  "resumed_from": float(checkpoints.step if resumed else 0)})
+    loss, steps, resumed_from = train_or_resume(trainer, checkpoints)
+    stats.update({"train_loss": float(loss), "train_steps": float(steps), "resumed_from": float(resumed_from)})
     if heldout:
         stats.update({f"heldout/{k.removeprefix('eval_')}": float(v)
                       for k, v in trainer.evaluate().items() if isinstance(v, (int, float))})

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from components.core import storage
-from components.core.checkpoint import TrainerCheckpoints, phase_root
+from components.core.checkpoint import TrainerCheckpoints, phase_root, train_or_resume
 from components.core.config import SFTConfig
 from components.core.policy import Policy, add_lora, load_policy, save_policy
 from components.core.schema import ModelCard, Trajectory, read_jsonl
@@ -253,12 +253,7 @@ def train_sft(
 
     trainer = Trainer(model=policy.model, args=args, train_dataset=dataset, processing_class=policy.tokenizer,
                       callbacks=callbacks)
-    if resumed and checkpoints.finished and not trainer.is_deepspeed_enabled:
-        out = checkpoints.load_finished(trainer)  # an earlier attempt finished training: nothing to train
-        loss, steps = out["train_loss"], out["global_step"]
-    else:  # (a finished ZeRO checkpoint resumes through the Trainer: one step more than planned)
-        out = trainer.train(resume_from_checkpoint=checkpoints.resume_from() if checkpoints else None)
-        loss, steps = out.training_loss, out.global_step
+    loss, steps, resumed_from = train_or_resume(trainer, checkpoints)
     seconds = clock.spent()
     tokens = sum(len(x) for x in trainer.train_dataset["input_ids"])
     if save_to is not None:
@@ -272,7 +267,7 @@ def train_sft(
     return {"train_loss": float(loss), "train_seconds": seconds, "train_steps": float(steps),
             "train_examples": float(len(dataset)), "train_tokens_per_epoch": float(tokens),
             "world_size": float(args.world_size), "deepspeed": float(bool(trainer.is_deepspeed_enabled)),
-            "resumed_from": float(checkpoints.step if resumed else 0)}
+            "resumed_from": float(resumed_from)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,3 +24,16 @@ def tiny_on_sandbox(out: Path, cfg: SandboxConfig, world, suites, n_demos: int =
     env = WorkspaceEnv(world, cfg)
     demos = [expert.solve_json(env, t)[0] for t in suites["train"][:n_demos]]
     return build_tiny_model(out, TinyModelConfig(pretrain_steps=0), corpus_lines(world, demos), seed=0)
+
+
+def sft_inputs(out: Path, cfg, n_demos: int = 16) -> tuple[Path, Path]:
+    """(demos directory, base model) for SFT tests: expert demos of the first train tasks, and a tiny base
+    of `cfg.model.tiny`'s shape whose tokenizer is trained on their text."""
+    from components.core.schema import write_jsonl
+
+    world = generate_world(cfg.sandbox)
+    tasks = generate_tasks(world, cfg.sandbox)["train"][:n_demos]
+    env = WorkspaceEnv(world, cfg.sandbox)
+    demos = [expert.solve_json(env, t)[0] for t in tasks]
+    write_jsonl(out / "demos" / "train.jsonl", demos)
+    return out / "demos", build_tiny_model(out / "base", cfg.model.tiny, corpus_lines(world, demos), seed=0)

@@ -16,6 +16,7 @@ from components.sandbox.env import WorkspaceEnv
 from components.sandbox.tasks import generate_tasks
 from components.sandbox.world import generate_world
 from components.sft.trainer import run_distributed
+from tests.helpers.runtime import sft_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +28,7 @@ def test_sft_over_two_processes_with_torchrun(tmp_path, monkeypatch, deepspeed):
     overrides = {"run": {"home": str(home)}, "sft": {"epochs": 1, "batch_size": 2, "max_minutes": None, "deepspeed": deepspeed,
                                                      "eval_suites": [], "logging_steps": 1},
                  "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "pretrain_steps": 0}}}
-    cfg = load_config(overrides_json=json.dumps(overrides))
-    world = generate_world(cfg.sandbox)
-    tasks = generate_tasks(world, cfg.sandbox)["train"][:16]
-    env = WorkspaceEnv(world, cfg.sandbox)
-    demos = [expert.solve_json(env, t)[0] for t in tasks]
-    write_jsonl(tmp_path / "demos" / "train.jsonl", demos)
-    base = build_tiny_model(tmp_path / "base", cfg.model.tiny, corpus_lines(world, demos), seed=0)
+    _, base = sft_inputs(tmp_path, load_config(overrides_json=json.dumps(overrides)))
     res = run_distributed(2, overrides=json.dumps(overrides), base_model=str(base), demos=str(tmp_path / "demos"),
                           model_out=str(tmp_path / "out"))
     assert res.metrics["world_size"] == 2.0

@@ -19,14 +19,8 @@ from safetensors.torch import load_file
 
 from components.core.checkpoint import HF_STATE, Checkpoints
 from components.core.config import load_config
-from components.core.schema import write_jsonl
-from components.core.tiny import build_tiny_model
 from components.core.tracking import local_tracking_uri, start_pipeline_run
-from components.sandbox import expert
-from components.sandbox.build import corpus_lines
-from components.sandbox.env import WorkspaceEnv
-from components.sandbox.tasks import generate_tasks
-from components.sandbox.world import generate_world
+from tests.helpers.runtime import sft_inputs
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY = 16, 2
@@ -42,14 +36,7 @@ def _overrides(home: Path) -> dict:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft-resume")
-    cfg = load_config(overrides_json=json.dumps(_overrides(d / "unused")))
-    world = generate_world(cfg.sandbox)
-    tasks = generate_tasks(world, cfg.sandbox)["train"][:16]
-    env = WorkspaceEnv(world, cfg.sandbox)
-    demos = [expert.solve_json(env, t)[0] for t in tasks]
-    write_jsonl(d / "demos" / "train.jsonl", demos)
-    base = build_tiny_model(d / "base", cfg.model.tiny, corpus_lines(world, demos), seed=0)
-    return d / "demos", base
+    return sft_inputs(d, load_config(overrides_json=json.dumps(_overrides(d / "unused"))))
 
 
 def _start(tmp_path: Path, name: str, inputs) -> tuple[subprocess.Popen, dict]:

@@ -153,6 +153,7 @@ class PhaseRun:
     ) -> None:
         self.phase = phase
         self.resume_run_id = resume_run_id  # continue this run (a phase resumed from its checkpoint)
+        self._logged_upto: dict[str, int] = {}  # log_new_metrics: the last step MLflow has, per key
         self.close_parent = close_parent
         self.config = config
         tcfg = config.tracking if config else None
@@ -216,6 +217,17 @@ class PhaseRun:
         if self.config is not None and not self.resume_run_id:  # params are write-once in MLflow
             self.log_params(flatten(self.config.to_dict()))
         return self
+
+    def log_new_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """`log_metrics` for a run resumed from a checkpoint: it re-computes the steps after the checkpoint,
+        some of which the attempt before it logged already; those are not logged twice."""
+        upto = self._logged_upto
+        new = {k for k in metrics if k not in upto}
+        if new:
+            upto.update(self.last_steps(new))
+        metrics = {k: v for k, v in metrics.items() if step > upto.get(k, -1)}
+        if metrics:
+            self.log_metrics(metrics, step=step)
 
     def last_steps(self, keys: set[str]) -> dict[str, int]:
         """The highest step logged so far for each key (a resumed run logs only later steps)."""
@@ -454,6 +466,8 @@ class NullRun:
 
     def log_metrics(self, *a, **k) -> None:
         return None
+
+    log_new_metrics = log_metrics
 
     def log_artifact(self, *a, **k) -> None:
         return None

@@ -254,19 +254,9 @@ def run(
         if cfg.generation.backend == "vllm" and start:
             backend.update_weights(unwrapped)  # the engine starts from the SFT weights: push the resumed ones
 
-        # metrics: a resumed run re-computes the steps after its checkpoint; MLflow already has some of them
-        logged_upto: dict[str, int] = {}
-
         def log(metrics: dict[str, float], step: int) -> None:
-            if rank() != 0:
-                return
-            if latest:
-                new = {k for k in metrics if k not in logged_upto}
-                if new:
-                    logged_upto.update(tracker.last_steps(new))
-                metrics = {k: v for k, v in metrics.items() if step > logged_upto.get(k, -1)}
-            if metrics:
-                tracker.log_metrics(metrics, step=step)
+            # a resumed run re-computes the steps after its checkpoint; MLflow already has some of them
+            (tracker.log_new_metrics if latest else tracker.log_metrics)(metrics, step=step)
 
         def env_factory():
             # a fresh skill library per sampled chain: SAGE carries skills from task 1 to task 2 of a chain

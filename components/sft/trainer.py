@@ -149,6 +149,7 @@ def budget_cosine(clock: Clock, total_steps: int, warmup: float) -> Any:
 def epoch_seeded(sampler: Any, seed: int) -> Any:
     """HF's length-grouped sampler draws each epoch's order from the global RNG, which a resumed run does not
     have in the same state: here each epoch's order comes from (seed, epoch), so a resume sees the same data."""
+    import torch
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
     if type(sampler) is not LengthGroupedSampler:
@@ -157,8 +158,6 @@ def epoch_seeded(sampler: Any, seed: int) -> Any:
     class EpochSeeded(LengthGroupedSampler):
         def set_epoch(self, epoch: int) -> None:  # accelerate's data loader calls it before every epoch
             self.generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-
-    import torch
 
     out = EpochSeeded(sampler.batch_size, lengths=sampler.lengths)
     out.set_epoch(0)
@@ -171,20 +170,13 @@ def _callbacks(tracker: PhaseRun | None, clock: Clock | None = None, prefix: str
     from transformers import TrainerCallback
 
     clock = clock or Clock(None)
-    logged_upto: dict[str, int] = {}
 
     class Track(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):
             if tracker is None or not logs:
                 return
             vals = {prefix + k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
-            if resumed:
-                new = {k for k in vals if k not in logged_upto}
-                if new:
-                    logged_upto.update(tracker.last_steps(new))
-                vals = {k: v for k, v in vals.items() if state.global_step > logged_upto.get(k, -1)}
-            if vals:
-                tracker.log_metrics(vals, step=state.global_step)
+            (tracker.log_new_metrics if resumed else tracker.log_metrics)(vals, step=state.global_step)
 
     class Budget(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):

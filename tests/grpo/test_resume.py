@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from mlflow import MlflowClient
 from safetensors.torch import load_file
 
 from components.core.checkpoint import Checkpoints
+from tests.helpers.runtime import kill_after_checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS = 6
@@ -54,16 +53,7 @@ def test_sigkill_at_three_random_steps_then_resume_exactly(tmp_path, tiny_model_
     kill_after = sorted(rng.sample(range(1, STEPS - 1), 3))  # checkpoints after which a kill lands mid-step
     log = tmp_path / "killed.log"
     for k in kill_after:
-        proc = _start(killed, log)
-        deadline = time.time() + 600
-        while _latest(ckpt) < k:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 0.4))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        assert proc.returncode == -signal.SIGKILL
+        kill_after_checkpoint(_start(killed, log), lambda: _latest(ckpt), k, log, rng.uniform(0.0, 0.4))
     assert _start(killed, log).wait(timeout=900) == 0, log.read_text()[-3000:]
 
     # same step count, same weights

@@ -37,3 +37,21 @@ def sft_inputs(out: Path, cfg, n_demos: int = 16) -> tuple[Path, Path]:
     demos = [expert.solve_json(env, t)[0] for t in tasks]
     write_jsonl(out / "demos" / "train.jsonl", demos)
     return out / "demos", build_tiny_model(out / "base", cfg.model.tiny, corpus_lines(world, demos), seed=0)
+
+
+def kill_after_checkpoint(proc, latest, step: int, log: Path, delay_s: float, timeout_s: float = 600) -> None:
+    """Wait until `latest()` (the newest complete checkpoint) reaches `step`, wait `delay_s` more so the kill
+    lands mid-step, then SIGKILL the process group of `proc` (started with start_new_session=True)."""
+    import os
+    import signal
+    import time
+
+    deadline = time.time() + timeout_s
+    while latest() < step:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(delay_s)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from safetensors.torch import load_file
 from components.core.checkpoint import HF_STATE, Checkpoints
 from components.core.config import load_config
 from components.core.tracking import local_tracking_uri, start_pipeline_run
-from tests.helpers.runtime import sft_inputs
+from tests.helpers.runtime import kill_after_checkpoint, sft_inputs
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY = 16, 2
@@ -75,15 +73,7 @@ def test_sigkill_twice_then_resume_exactly(tmp_path, inputs):
     kill_after = sorted(rng.sample(range(EVERY, STEPS - EVERY, EVERY), 2))
     for k in kill_after:
         proc, killed = _start(tmp_path, "killed", inputs)
-        deadline = time.time() + 600
-        while _latest(killed) < k:
-            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 0.1))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        assert proc.returncode == -signal.SIGKILL
+        kill_after_checkpoint(proc, lambda args=killed: _latest(args), k, tmp_path / "killed.log", rng.uniform(0.0, 0.1))
     before_last = _latest(killed)
     proc, killed = _start(tmp_path, "killed", inputs)
     assert proc.wait(timeout=600) == 0, (tmp_path / "killed.log").read_text()[-3000:]

@@ -82,7 +82,8 @@ class TinyModelConfig(_Section):
     pretrain_steps: int = Field(
         400, ge=0, le=1_000_000, description="steps of in-context-copy pretraining of the fresh base (0 = random "
         "weights): a real base LLM arrives able to copy from its context; a random one cannot")
-    pretrain_batch: int = Field(64, ge=1, le=4096)
+    pretrain_batch: int = Field(64, ge=1, le=4096, description="sequences per step (on the sandbox's 1072-token "
+                                "vocabulary 64 reach copy accuracy 1.0 in 400 steps, 32 only 0.89 and a weaker SFT)")
     pretrain_span: int = Field(16, ge=2, le=512, description="tokens in each span to be repeated")
     pretrain_gap: int = Field(8, ge=0, le=4096, description="at most this many random tokens between a span and its repeat")
     pretrain_learning_rate: float = Field(1e-3, gt=0, lt=1)
@@ -380,7 +381,7 @@ class GRPOConfig(_Checkpointed):
     temperature: float = Field(1.0, gt=0, le=5, description="sampling temperature of the rollouts")
     bf16: bool = False
     torch_threads: int | None = Field(2, ge=1, le=512, description="CPU threads; None = run.torch_threads")
-    max_minutes: float | None = Field(4.0, gt=0, description="wall-clock budget for training (None = steps decide)")
+    max_minutes: float | None = Field(3.0, gt=0, description="wall-clock budget for training (None = steps decide)")
     deepspeed: str | None = None
     multi_node: MultiNodeConfig = Field(default_factory=MultiNodeConfig)
 
@@ -404,7 +405,8 @@ class RejectionSamplingConfig(_Section):
     probe_tasks: int = Field(32, ge=1, description="train tasks probed (a seeded sample, every level represented)")
     eval_suite: Literal["easy", "hard", "safety", "robustness"] = Field("hard", description="where the gain is measured")
     sft_epochs: float = Field(2.0, gt=0)
-    sft_learning_rate: float = Field(5e-4, gt=0, lt=1)
+    sft_learning_rate: float = Field(1e-4, gt=0, lt=1, description="a few kept trajectories, a few steps: at 5e-4 the "
+                                     "tiny policy lost 0.15 hard TGC on the same kept set that 1e-4 leaves at its level")
 
     @model_validator(mode="after")
     def _k(self) -> RejectionSamplingConfig:
@@ -462,7 +464,8 @@ class EvalConfig(_Section):
     suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
         default_factory=lambda: ["easy", "hard", "safety", "robustness"], min_length=1
     )
-    pass_k: int = Field(2, ge=1, le=1024, description="k samples per task for pass@k; 1 = greedy only")
+    pass_k: int = Field(1, ge=1, le=1024, description="k samples per task for pass@k; 1 = greedy only (the embedded "
+                        "default: pass@2 would add ~250 s of sampled episodes to the evaluation on 2 cores; h100: 8)")
     bootstrap_samples: int = Field(1000, ge=10)
     confidence: float = Field(0.95, gt=0.5, lt=1)
     baseline: str | None = Field(None, description="'champion' (the registry alias), a model URI, or None")

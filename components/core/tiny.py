@@ -121,7 +121,7 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 2048, split_digits:
 # not, and SFT on a few hundred demos cannot teach it in minutes: the model memorises the demos' ids
 # instead of copying them (held-out easy TGC 0.0 after 6 or even 20 minutes of SFT). A short run on
 # synthetic sequences in which a random span recurs after a short random gap gives the base a copy
-# circuit (copy accuracy 0.0 -> 1.0 in 400 steps, ~2 min on 2 cores), and SFT on the same demos then
+# circuit (copy accuracy 0.0 -> 1.0 in 400 steps, ~2-3 min on 2 cores), and SFT on the same demos then
 # reaches easy TGC 0.8. Measured limit: what forms in 400 steps copies from a few dozen tokens back
 # (accuracy at gap <= 8: 0.99; at gap 48: 0.01), not from anywhere (a true induction head was still at
 # 0.2 after 350 steps with gaps up to 64). The sequences hold random tokens only: nothing of the

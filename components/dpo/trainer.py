@@ -127,7 +127,9 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
     args = TRLDPOConfig(
         output_dir=str(out_dir), beta=d.beta, learning_rate=d.learning_rate,
         loss_type=["sigmoid", "sft"] if d.sft_weight else ["sigmoid"], loss_weights=[1.0, d.sft_weight] if d.sft_weight else None, num_train_epochs=d.epochs,
-        per_device_train_batch_size=d.batch_size, per_device_eval_batch_size=d.batch_size, max_length=d.max_length,
+        # eval one pair per batch: TRL logs the mean of per-batch means, which weighs a short last batch's pairs
+        # more (10 held-out pairs at 8 a batch: 0.438 where 4/10 are right); 1 a batch makes them per-pair means
+        per_device_train_batch_size=d.batch_size, per_device_eval_batch_size=1, max_length=d.max_length,
         logging_steps=1, report_to="none", use_cpu=use_cpu, seed=cfg.run.seed,
         data_seed=cfg.run.seed, bf16=cfg.sft.bf16, gradient_checkpointing=cfg.sft.gradient_checkpointing,
         deepspeed=deepspeed_config(d.deepspeed, cfg.sft.bf16), dataloader_num_workers=0, lr_scheduler_type="cosine",
@@ -231,10 +233,10 @@ def run(
         card = ModelCard(base_model=policy_model, phase=PHASE, parent_run_id=tracker.parent_run_id,
                          run_id=tracker.run_id, extra={"ab_logs": logs_uri, "lora": cfg.model.lora.enabled})
         save_policy(policy, out, card, merge=False)
-        # no safety regression allowed: the same greedy safety suite for the incoming and the new policy
-        suites = ["safety", *[s for s in cfg.sft.eval_suites if s != "safety"]]
+        # no safety regression allowed: the same greedy safety suite for the incoming and the new policy (the
+        # other suites are the evaluation phase's, which takes this model next)
         before = quick_eval(policy_model, cfg, tasks_dir or None, ["safety"], world or None)
-        after = quick_eval(str(out), cfg, tasks_dir or None, suites, world or None)
+        after = quick_eval(str(out), cfg, tasks_dir or None, ["safety"], world or None)
         stats.update({f"incoming/{k}": v for k, v in before.items()})
         stats.update(after)
         stats["safety_regression"] = float(after["safety/safety_violation_rate"]

@@ -72,9 +72,13 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     return Batch(ids, attn, ids[:, 1:], mask[:, 1:], adv[:, 1:])
 
 
-def token_logprobs(model, batch: Batch, with_entropy: bool = False):
-    """log p(target) at every position (B, T-1); with the mean entropy on agent targets if asked."""
+def token_logprobs(model, batch: Batch, with_entropy: bool = False, temperature: float = 1.0):
+    """log p(target) at every position (B, T-1); with the mean entropy on agent targets if asked.
+    `temperature`: the rollouts' sampling temperature, so the ratio and the KL are those of the policy that
+    sampled (logits / T, as TRL's GRPOTrainer does); supervised losses keep 1."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
     if not with_entropy:

@@ -459,12 +459,12 @@ def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, con
     with torch.no_grad():
         for i, mb in enumerate(mbs):
             if ref is not None:
-                refs[i], _ = token_logprobs(ref, mb)
+                refs[i], _ = token_logprobs(ref, mb, temperature=g.temperature)
                 s_, n_ = control_prob(refs[i], mb, control_ids)
                 cp[2] += s_
                 cp[3] += n_
             if g.epochs_per_batch > 1:
-                olds[i], _ = token_logprobs(model, mb)
+                olds[i], _ = token_logprobs(model, mb, temperature=g.temperature)
     high = g.clip_eps_high if g.clip_eps_high is not None else g.clip_eps
     totals: dict[str, float] = defaultdict(float)
     grad_norm = 0.0
@@ -473,7 +473,7 @@ def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, con
     for epoch in range(g.epochs_per_batch):
         for mb, old, rl in zip(mbs, olds, refs, strict=True):
             with acc.accumulate(model):
-                logp, ent = token_logprobs(model, mb, with_entropy=True)
+                logp, ent = token_logprobs(model, mb, with_entropy=True, temperature=g.temperature)
                 if epoch == 0:  # no optimizer step has happened yet: the incoming policy's control tokens
                     s_, n_ = control_prob(logp, mb, control_ids)
                     cp[0] += s_

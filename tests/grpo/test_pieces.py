@@ -122,6 +122,21 @@ def test_micro_batches_add_up_to_the_full_batch_gradient(tiny_model_dir):
     assert torch.allclose(whole, parts, atol=1e-6)
 
 
+def test_logprobs_are_those_of_the_sampling_temperature(tiny_model_dir):
+    """Rollouts sampled at temperature T: the ratio and the KL use log softmax(logits / T), as TRL does."""
+    from components.core.policy import load_policy
+
+    policy = load_policy(str(tiny_model_dir))
+    b = collate([Sample([5, 9, 17, 33, 60, 71], [0, 0, 1, 1, 1, 1], [1.0] * 6)], pad_id=0)
+    with torch.no_grad():
+        logits = policy.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
+        lp1, _ = token_logprobs(policy.model, b)
+        lp7, _ = token_logprobs(policy.model, b, temperature=0.7)
+    expect = torch.log_softmax(logits / 0.7, -1).gather(-1, b.targets[..., None])[..., 0]
+    assert torch.allclose(lp7, expect, atol=1e-6)
+    assert not torch.allclose(lp1, lp7, atol=1e-3)
+
+
 def test_monitor_alarms():
     mon = CollapseMonitor(CollapseMonitorConfig())
     assert mon.check({"format_error_rate": 0.0, "entropy": 1.0, "kl": 0.01, "zero_variance_groups": 0.2}) == []

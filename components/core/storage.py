@@ -254,8 +254,11 @@ def list_uris(uri: str, recursive: bool = True) -> list[str]:
         return [str(root)]
     if not root.exists():
         return []
-    it = root.rglob("*") if recursive else root.iterdir()
-    return sorted(str(p) for p in it if p.is_file())
+    if not recursive:
+        return sorted(str(p) for p in root.iterdir() if p.is_file())
+    # os.walk, not Path.rglob: a writer may rename or remove a directory mid-walk (a checkpoint being published,
+    # an old one pruned); rglob then raises FileNotFoundError, os.walk skips what vanished
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files)
 
 
 def delete(uri: str) -> None:

@@ -128,13 +128,14 @@ def episode_rewards(chains: list[list[Trajectory]], cfg: PipelineConfig) -> list
 
 
 def advantages_for(groups: list[list[list[Trajectory]]], rewards: list[list[list[float]]], cfg: PipelineConfig):
-    """Per episode: its advantage (trajectory credit) or one per agent turn (turn credit); + zero-variance count.
+    """Per episode: its advantage (trajectory credit) or one per agent turn (turn credit); + the fractions of groups
+    with zero reward variance and of groups `grpo.group_filter` left without advantage.
 
     A group is the G samples of one chain; each chain position is normalised within its group.
     """
     g = cfg.grpo
     out: dict[int, Any] = {}
-    zero = 0
+    zero = filtered = 0
     n_groups = 0
     for samples, rs in zip(groups, rewards, strict=True):
         for pos in range(len(samples[0])):
@@ -142,6 +143,11 @@ def advantages_for(groups: list[list[list[Trajectory]]], rewards: list[list[list
             n_groups += 1
             zero += zero_variance(col)
             trajs = [s[pos] for s in samples]
+            if g.group_filter == "progress" and zero_variance([_progress(t) for t in trajs]):
+                for tr in trajs:
+                    out[id(tr)] = 0.0  # still in the batch (a constant micro-batch count), only the KL acts on it
+                filtered += 1
+                continue
             if g.credit == "turn" and not (g.sage.enabled and g.sage.chain_length == 2):
                 credits = [[t.credit or 0.0 for t in tr.turns if t.role == "assistant"] for tr in trajs]
                 for tr, adv in zip(trajs, turn_advantages(credits, g.advantage), strict=True):
@@ -149,7 +155,12 @@ def advantages_for(groups: list[list[list[Trajectory]]], rewards: list[list[list
             else:
                 for tr, adv in zip(trajs, group_advantages(col, g.advantage), strict=True):
                     out[id(tr)] = adv
-    return out, zero / max(1, n_groups)
+    return out, zero / max(1, n_groups), filtered / max(1, n_groups)
+
+
+def _progress(t: Trajectory) -> float:
+    """What an episode achieved, without the shaping terms: task success and subgoals reached."""
+    return 1000.0 * t.verdict.success + len(t.verdict.subgoals_done)
 
 
 def micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
@@ -309,7 +320,7 @@ def run(
                         env.close()
             # c. rewards -> advantages
             rewards = [episode_rewards(grp, cfg) for grp in groups]
-            adv, zero_var = advantages_for(groups, rewards, cfg)
+            adv, zero_var, filtered = advantages_for(groups, rewards, cfg)
             episodes = [t for grp in groups for s in grp for t in s]
             batch = [sample_from_turns(t.turns, adv[id(t)]) for t in episodes]  # a constant count: see `ga`
             # d. the update
@@ -318,8 +329,8 @@ def run(
             if cfg.generation.backend == "vllm":
                 backend.update_weights(unwrapped)  # the rollout engine samples from the new weights
             if acc.num_processes > 1:  # every rank sees every episode: the same curriculum, alarms and repair
-                stats = _mean_over_ranks(acc, {**stats, "zero_variance_groups": zero_var})
-                zero_var = stats.pop("zero_variance_groups")
+                stats = _mean_over_ranks(acc, {**stats, "zero_variance_groups": zero_var, "filtered_groups": filtered})
+                zero_var, filtered = stats.pop("zero_variance_groups"), stats.pop("filtered_groups")
                 groups, rewards = gather_object(groups), gather_object(rewards)
                 episodes = [t for grp in groups for s in grp for t in s]
             # e. monitor, curriculum, repair
@@ -358,7 +369,7 @@ def run(
                    if (v := curriculum.success(lv)) is not None},
                 **{f"monitor/{k}": v for k, v in signals.items()},
                 **{f"alarm/{a}": 1.0 for a in alarms}, "alarms": float(len(alarms)), "repair/sft_loss": repaired,
-                "loss": stats["loss"], "clip_fraction": stats["clip_fraction"], "grad_norm": stats["grad_norm"],
+                "filtered_groups": filtered, "loss": stats["loss"], "clip_fraction": stats["clip_fraction"], "grad_norm": stats["grad_norm"],
                 "trained_tokens": stats["tokens"], "learning_rate": sched.get_last_lr()[0],
                 "step_seconds": time.perf_counter() - t0,
             }

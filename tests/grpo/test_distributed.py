@@ -26,7 +26,7 @@ def _overrides(home: Path, **extra) -> dict:
             "generation": {"max_new_tokens": 16},
             "grpo": {"steps": 3, "tasks_per_step": 2, "group_size": 2, "micro_batch_size": 2, "eval_every": 0,
                      "eval_suites": ["easy"], "checkpoint_every": 1, "learning_rate": 1e-3, "torch_threads": 1,
-                     "output": "last", **extra}}
+                     "output": "last", "group_filter": "none", **extra}}  # every sample fails: keep a gradient
 
 
 def test_two_processes_roll_out_their_share_and_resume_on_a_retry(tmp_path, tiny_model_dir, monkeypatch):

@@ -40,6 +40,33 @@ def test_turn_advantages_use_returns_to_go():
     assert [len(x) for x in turn_advantages([[1.0], [0.0, 0.0, 0.0]], "grpo")] == [1, 3]
 
 
+def _episode(success: bool, subgoals: int, total: float):
+    from components.core.schema import RewardBreakdown, Trajectory, Verdict
+
+    return Trajectory(task_id="t", policy="p", turns=[Turn("assistant", "x", tokens=[1], mask=[1])],
+                      verdict=Verdict(success, [f"g{i}" for i in range(subgoals)]), reward=RewardBreakdown(total))
+
+
+def test_progress_filter_leaves_groups_that_differ_only_by_shaping_without_advantage():
+    """All four solved the task and reached the same subgoals; only the shaping terms differ (API calls,
+    efficiency): the std division would make them +-1 advantages. The progress filter zeroes them and keeps the
+    group whose samples differ in success."""
+    from components.core.config import PipelineConfig
+    from components.grpo.trainer import advantages_for
+
+    shaped = [[[_episode(True, 2, 1.4 + 0.05 * i)] for i in range(4)]]
+    mixed = [[[_episode(i % 2 == 0, 1, float(i % 2 == 0))] for i in range(4)]]
+    groups = shaped + mixed
+    rewards = [[[s[0].reward.total] for s in grp] for grp in groups]
+    plain = PipelineConfig()
+    adv, zero, filtered = advantages_for(groups, rewards, plain)
+    assert max(abs(adv[id(s[0])]) for s in shaped[0]) > 1.0 and zero == 0.0 and filtered == 0.0
+    cfg = PipelineConfig.model_validate({"grpo": {"group_filter": "progress"}})
+    adv, zero, filtered = advantages_for(groups, rewards, cfg)
+    assert [adv[id(s[0])] for s in shaped[0]] == [0.0] * 4 and filtered == 0.5
+    assert [adv[id(s[0])] > 0 for s in mixed[0]] == [True, False, True, False]
+
+
 def _tasks():
     return {lv: [Task(id=f"t{lv}-{i}", scenario_id=f"s{lv}", level=lv, suite="train", instruction="x",
                       user_id="u", verifier=Verifier("state", {})) for i in range(3)] for lv in range(1, 6)}

@@ -369,7 +369,8 @@ class GRPOConfig(_Checkpointed):
     group_filter: Literal["none", "progress"] = Field(
         "progress", description="'progress': a group whose samples all made the same progress (task success and subgoals "
         "reached) gets no advantage — left in, the shaping terms alone (API calls, efficiency) would decide its "
-        "advantages, which the std division blows up to +-1 (DAPO filters such groups too)")
+        "advantages, which the std division blows up to +-1 (DAPO filters such groups too); SAGE's reward has no "
+        "shaping terms and rewards skill reuse among equally successful samples, so it is never filtered")
     loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     credit: Literal["trajectory", "turn"] = "trajectory"
     max_grad_norm: float = Field(1.0, gt=0)

@@ -134,6 +134,7 @@ def advantages_for(groups: list[list[list[Trajectory]]], rewards: list[list[list
     A group is the G samples of one chain; each chain position is normalised within its group.
     """
     g = cfg.grpo
+    sage = g.sage.enabled and g.sage.chain_length == 2  # SAGE's reward: no shaping terms, skill reuse counts
     out: dict[int, Any] = {}
     zero = filtered = 0
     n_groups = 0
@@ -143,12 +144,12 @@ def advantages_for(groups: list[list[list[Trajectory]]], rewards: list[list[list
             n_groups += 1
             zero += zero_variance(col)
             trajs = [s[pos] for s in samples]
-            if g.group_filter == "progress" and zero_variance([_progress(t) for t in trajs]):
+            if g.group_filter == "progress" and not sage and zero_variance([_progress(t) for t in trajs]):
                 for tr in trajs:
                     out[id(tr)] = 0.0  # still in the batch (a constant micro-batch count), only the KL acts on it
                 filtered += 1
                 continue
-            if g.credit == "turn" and not (g.sage.enabled and g.sage.chain_length == 2):
+            if g.credit == "turn" and not sage:
                 credits = [[t.credit or 0.0 for t in tr.turns if t.role == "assistant"] for tr in trajs]
                 for tr, adv in zip(trajs, turn_advantages(credits, g.advantage), strict=True):
                     out[id(tr)] = adv

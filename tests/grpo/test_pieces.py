@@ -58,13 +58,20 @@ def test_progress_filter_leaves_groups_that_differ_only_by_shaping_without_advan
     mixed = [[[_episode(i % 2 == 0, 1, float(i % 2 == 0))] for i in range(4)]]
     groups = shaped + mixed
     rewards = [[[s[0].reward.total] for s in grp] for grp in groups]
-    plain = PipelineConfig()
+    plain = PipelineConfig.model_validate({"grpo": {"group_filter": "none"}})
     adv, zero, filtered = advantages_for(groups, rewards, plain)
     assert max(abs(adv[id(s[0])]) for s in shaped[0]) > 1.0 and zero == 0.0 and filtered == 0.0
     cfg = PipelineConfig.model_validate({"grpo": {"group_filter": "progress"}})
     adv, zero, filtered = advantages_for(groups, rewards, cfg)
     assert [adv[id(s[0])] for s in shaped[0]] == [0.0] * 4 and filtered == 0.5
     assert [adv[id(s[0])] > 0 for s in mixed[0]] == [True, False, True, False]
+    # SAGE: all four chains solved both tasks, two reused the first task's skill (R = 2) and two did not (R = 1):
+    # that is SAGE's signal, not shaping, and stays
+    chains = [[[_episode(True, 1, 0.0), _episode(True, 1, 0.0)] for _ in range(4)]]
+    sage_rewards = [[[2.0, 2.0], [1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]]
+    sage = PipelineConfig.model_validate({"grpo": {"group_filter": "progress", "sage": {"enabled": True}}})
+    adv, _, filtered = advantages_for(chains, sage_rewards, sage)
+    assert filtered == 0.0 and [adv[id(c[1])] > 0 for c in chains[0]] == [True, False, True, False]
 
 
 def _tasks():

@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -207,6 +207,11 @@ class RewardConfig(_Section):
 SUITE_SIZES = {"easy": 40, "hard": 40, "safety": 30, "robustness": 30}
 
 
+TaskPool = Annotated[Literal["practice", "train"], Field(
+    description="the tasks an online phase samples: 'practice' = instances no SFT demo shows where the sandbox has "
+    "them (its practice suite; a success then needs what generalises, not a memorised demo), 'train' = the demos' own")]
+
+
 class SandboxConfig(_Section):
     seed: int = Field(0, ge=0)
     num_users: int = Field(6, ge=1, le=100_000)
@@ -215,6 +220,10 @@ class SandboxConfig(_Section):
     events_per_user: int = Field(10, ge=0, le=100_000)
     channels_per_user: int = Field(3, ge=0, le=10_000)
     train_tasks_per_level: int = Field(200, ge=1)
+    practice_tasks_per_level: int = Field(
+        200, ge=0, description="the practice suite: train-pool instances left after the train suite (no SFT demo shows "
+        "them), at most this many a level, for GRPO, rejection sampling and simulated A/B requests; a level whose pool "
+        "the train suite used up has none")
     suite_sizes: dict[Literal["easy", "hard", "safety", "robustness"], int] = Field(
         default_factory=lambda: dict(SUITE_SIZES), description="tasks per held-out suite; unnamed suites keep the default"
     )
@@ -358,6 +367,7 @@ class GRPOConfig(_Checkpointed):
     tasks_per_step: int = Field(8, ge=1, description="tasks (groups) a step; the progress filter leaves about half "
                                 "of the tiny policy's groups with a signal")
     group_size: int = Field(4, ge=2, le=1024)
+    task_pool: TaskPool = "practice"
     learning_rate: float = Field(5e-5, gt=0, lt=1, description="at 1e-4 the tiny policy's format errors went 0.10 -> "
                                  "0.47 in 5 steps")
     epochs_per_batch: int = Field(1, ge=1, le=64)
@@ -383,6 +393,9 @@ class GRPOConfig(_Checkpointed):
         default_factory=lambda: ["easy", "hard"], description="held-out suites of the periodic evaluation"
     )
     eval_max_tasks: int | None = Field(20, ge=1, description="tasks per suite in the periodic evaluation; None = all")
+    eval_chain_length: int = Field(1, ge=1, le=16, description="> 1: the held-out suites run as chains of tasks of one "
+                                   "scenario whose skill library carries over, so plain GRPO and SAGE compare on skill "
+                                   "reuse (code actions); 1: every task on its own")
     output: Literal["best", "last"] = Field("best", description="the model handed on: best held-out or last step")
     checkpoint_every: int = Field(10, ge=1)
     temperature: float = Field(1.0, gt=0, le=5, description="sampling temperature of the rollouts")
@@ -403,6 +416,7 @@ class GRPOConfig(_Checkpointed):
 
 
 class RejectionSamplingConfig(_Section):
+    task_pool: TaskPool = "practice"
     num_samples: int = Field(16, ge=1, le=4096)
     top_k: int = Field(2, ge=1)
     hard_success_min: float = Field(0.0, ge=0, lt=1, description="a task is hard when min < success <= max")
@@ -433,7 +447,10 @@ class ABSimulatorConfig(_Section):
     requests: int = Field(100, ge=1, description="simulated requests, each answered by both variants")
     noise_rate: float = Field(0.1, ge=0, le=0.5, description="probability that simulated feedback is flipped")
     correction_rate: float = Field(0.5, ge=0, le=1, description="probability that a thumbs-down comes with a correction")
-    suite: Literal["train", "easy", "hard"] = Field("train", description="the sandbox tasks served as requests")
+    suite: Literal["practice", "train", "easy", "hard"] = Field(
+        "practice", description="the sandbox tasks served as requests: practice (with the train suite where a level has "
+        "none; tasks no SFT demo shows, as real users' requests are), train, or a held-out suite (for studies only: "
+        "DPO would then train on the evaluation's tasks)")
 
 
 class DPOConfig(_Checkpointed):

@@ -44,7 +44,7 @@ __all__ = [
     "from_record",
 ]
 
-Suite = Literal["train", "easy", "hard", "safety", "robustness"]
+Suite = Literal["train", "easy", "hard", "safety", "robustness", "practice"]
 Role = Literal["system", "user", "assistant", "tool"]
 _STRICT = ConfigDict(extra="forbid")
 

@@ -53,7 +53,7 @@ def simulate_ab(
 
     sim = cfg.dpo.simulate
     rng = random.Random(f"ab:{cfg.run.seed}")
-    pool = sandbox.suites[sim.suite]
+    pool = sandbox.online_tasks("practice") if sim.suite == "practice" else sandbox.suites[sim.suite]
     if not pool:
         raise ValueError(f"dpo.simulate.suite={sim.suite!r}: the sandbox has no tasks there")
     tasks = [pool[i % len(pool)] for i in rng.sample(range(max(len(pool), sim.requests)), sim.requests)]

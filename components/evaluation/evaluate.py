@@ -34,6 +34,17 @@ class Sandbox:
     world: World
     suites: dict[str, list[Task]]
 
+    def online_tasks(self, pool: str = "practice") -> list[Task]:
+        """The tasks the online phases (GRPO, rejection sampling, simulated A/B requests) sample on.
+        'practice': per level, instances no SFT demo shows (the practice suite), so a success needs what generalises
+        (reading ids and values from the context), not a memorised demo; the train suite's at a level the practice
+        suite lacks (the train suite used its whole pool). 'train': the SFT demos' own tasks."""
+        if pool == "train":
+            return list(self.suites["train"])
+        practice = self.suites.get("practice", [])
+        have = {t.level for t in practice}
+        return list(practice) + [t for t in self.suites["train"] if t.level not in have]
+
 
 def load_sandbox(cfg: PipelineConfig, world_path: str | None = None, tasks_dir: str | None = None) -> Sandbox:
     """The sandbox_build outputs when given; else regenerated from the config (deterministic for a seed)."""
@@ -44,6 +55,8 @@ def load_sandbox(cfg: PipelineConfig, world_path: str | None = None, tasks_dir: 
     if world_path and tasks_dir:
         world = World.from_dict(json.loads(storage.read_text(world_path)))
         suites = {s: list(read_jsonl(storage.join(tasks_dir, f"{s}.jsonl"), Task)) for s in ("train", *SUITES)}
+        practice = storage.join(tasks_dir, "practice.jsonl")  # absent from sandboxes built before it existed
+        suites["practice"] = list(read_jsonl(practice, Task)) if storage.exists(practice) else []
         return Sandbox(world, suites)
     world = generate_world(cfg.sandbox)
     return Sandbox(world, generate_tasks(world, cfg.sandbox))
@@ -136,10 +149,22 @@ def evaluate_model(
     return evaluate_policy(policy, cfg, sandbox, suites, pass_k, max_tasks, progress, model_dir=model_uri)
 
 
+def scenario_chains(tasks: Sequence[Task], length: int) -> list[list[Task]]:
+    """The suite's tasks as sequential chains: up to `length` tasks of one scenario each, in suite order (the
+    skill library an episode leaves is the next one's, as in SAGE's sequential rollout)."""
+    by: dict[str, list[Task]] = defaultdict(list)
+    for t in tasks:
+        by[t.scenario_id].append(t)
+    return [ts[i:i + length] for ts in by.values() for i in range(0, len(ts), length)]
+
+
 def evaluate_policy(policy, cfg: PipelineConfig, sandbox: Sandbox, suites: Sequence[str] = SUITES,
                     pass_k: int | None = None, max_tasks: int | None = None, progress: bool = True,
                     model_dir: str | None = None, env_factory: Callable[[], Any] | None = None,
-                    backend: Any = None) -> dict[str, Any]:
+                    backend: Any = None, chain_length: int = 1) -> dict[str, Any]:
+    """Greedy (and pass@k) held-out metrics per suite. `chain_length` > 1 runs each suite as chains of tasks of
+    one scenario whose skill library carries over (`scenario_chains`): `skill_reuse_rate` then counts calls to
+    skills an earlier task of the chain wrote; 1 runs every task on its own."""
     fmt = ChatFormat(policy.tokenizer)
     if backend is None:
         backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
@@ -149,7 +174,8 @@ def evaluate_policy(policy, cfg: PipelineConfig, sandbox: Sandbox, suites: Seque
     results: dict[str, Any] = {"metrics": {}, "trajectories": {}, "levels": {}}
     for suite in suites:
         tasks = sandbox.suites[suite][:max_tasks] if max_tasks else sandbox.suites[suite]
-        greedy = rollout(backend, make_env, fmt, tasks, RolloutSettings.from_config(cfg, temperature=0.0, policy_name="eval",
+        runs = scenario_chains(tasks, chain_length) if chain_length > 1 else tasks
+        greedy = rollout(backend, make_env, fmt, runs, RolloutSettings.from_config(cfg, temperature=0.0, policy_name="eval",
                                                                         progress=progress),
                          rewards=cfg.rewards)
         samples: list[list[Trajectory]] = []

@@ -9,7 +9,9 @@ express. `make bench` holds it against TRL on the single-turn case (`grpo.throug
 2. Open the phase's MLflow run (the same run again when resuming); load the sandbox, the policy, the
    reference (SFT) model when beta > 0, the optimizer; restore everything from the checkpoint.
 3. Every step:
-   a. draw tasks by the curriculum (chains of two tasks of one scenario with SAGE);
+   a. draw tasks by the curriculum (chains of two tasks of one scenario with SAGE) from `grpo.task_pool`: by
+      default the sandbox's practice suite, instances no SFT demo shows (a success there needs what
+      generalises, not a memorised demo), the train suite's tasks at a level it lacks;
    b. roll out `group_size` samples of each (the runtime's batched multi-turn loop), optionally with
       one sample per group replaced by the expert's solution (off-policy supervision);
    c. rewards (the sandbox's reward table, or SAGE's skill-integrated reward) -> group advantages
@@ -17,7 +19,8 @@ express. `make bench` holds it against TRL on the single-turn case (`grpo.throug
    d. clipped surrogate + k3 KL on agent tokens, `epochs_per_batch` optimizer steps;
    e. the collapse monitor; on an alarm (or every K steps) a short SFT repair on expert solutions of
       the tasks the policy failed;
-   f. metrics to MLflow; held-out evaluation every `eval_every` steps (best model kept);
+   f. metrics to MLflow; held-out evaluation every `eval_every` steps (best model kept; with
+      `eval_chain_length` 2 as chains of two tasks of one scenario, so skill reuse is measured held-out);
       a checkpoint every `checkpoint_every` steps.
 4. Save the best (or last) policy as the phase's Model artifact.
 
@@ -278,7 +281,7 @@ def run(
         def evaluate_now(step: int) -> dict[str, float]:
             with unwrap_model_for_generation(model, acc):
                 res = evaluate_policy(policy, cfg, sandbox, g.eval_suites, pass_k=1, max_tasks=g.eval_max_tasks,
-                                      progress=False, backend=backend)
+                                      progress=False, backend=backend, chain_length=g.eval_chain_length)
             held = {f"heldout/{k}": v for k, v in flat(res["metrics"]).items()}
             held["heldout/tgc_mean"] = sum(held[f"heldout/{s}/tgc"] for s in g.eval_suites) / len(g.eval_suites)
             log(held, step)
@@ -294,7 +297,10 @@ def run(
 
         # 3. the loop
         t_start = time.perf_counter()
-        train = sandbox.suites["train"]
+        train = sandbox.online_tasks(g.task_pool)
+        tracker.set_tags({"agentrl.grpo.task_pool": f"{g.task_pool}: " + ", ".join(
+            f"L{lv} {sum(t.level == lv for t in train)} ({sum(t.level == lv and t.suite == 'practice' for t in train)} "
+            "unseen by SFT)" for lv in sorted({t.level for t in train}))})
         bar = tqdm(range(start, g.steps), initial=start, total=g.steps, desc="grpo", unit="step", disable=rank() != 0)
         last: dict[str, float] = {}
         step = start
@@ -517,7 +523,7 @@ def repair(model, opt, acc, failed: list[Trajectory], sandbox, cfg: PipelineConf
            pad_id: int, step: int) -> float:
     """The alternating SFT phase: `repair.sft_steps` supervised steps on the expert's solutions of the
     tasks the policy failed (error-example supervision), at `repair.learning_rate`. Returns the mean loss."""
-    by_id = {t.id: t for t in sandbox.suites["train"]}
+    by_id = {t.id: t for suite in ("train", "practice") for t in sandbox.suites.get(suite, [])}
     tasks = list({t.task_id: by_id[t.task_id] for t in failed if t.task_id in by_id}.values())
     if not tasks:
         return 0.0

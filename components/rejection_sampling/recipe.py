@@ -1,8 +1,9 @@
 """Rejection sampling (best-of-N, then SFT on the best), top to bottom.
 
 1. Resolve the config; open the phase run; load the sandbox and the incoming policy.
-2. Probe: `probe_samples` sampled attempts on each of `probe_tasks` train tasks (a seeded sample across
-   levels) estimate the incoming policy's success per task.
+2. Probe: `probe_samples` sampled attempts on each of `probe_tasks` tasks (a seeded sample across levels of
+   `task_pool`: by default the practice suite, instances no SFT demo shows, where success is less often
+   all-or-nothing than on memorised demos) estimate the incoming policy's success per task.
 3. Hard tasks: success in (hard_success_min, hard_success_max] — solvable sometimes, not reliably.
 4. Best-of-N: `num_samples` attempts per hard task (the probe's attempts count); keep the top k per
    task: solved without a hard violation, then higher reward, fewer steps, fewer tokens; near-duplicate
@@ -89,10 +90,11 @@ def _best_of_n(cfg, sandbox, policy, policy_model: str, tracker) -> tuple[list[T
                        settings, rewards=cfg.rewards)
 
     # 2-3. probe, pick the hard tasks
-    probes = sample(probe_pool(sandbox.suites["train"], rs.probe_tasks, cfg.run.seed), rs.probe_samples, cfg.run.seed)
+    pool = sandbox.online_tasks(rs.task_pool)
+    probes = sample(probe_pool(pool, rs.probe_tasks, cfg.run.seed), rs.probe_samples, cfg.run.seed)
     rate = TrajectoryBuffer(probes).success_rate()
     hard_ids = {t for t, r in rate.items() if rs.hard_success_min < r <= rs.hard_success_max}
-    by_id = {t.id: t for t in sandbox.suites["train"]}
+    by_id = {t.id: t for t in pool}
     hard = [by_id[t] for t in sorted(hard_ids)]
     metrics: dict[str, float] = {"probe_tasks": float(len(rate)), "hard_tasks": float(len(hard)),
                                  "probe_success": sum(rate.values()) / max(1, len(rate))}

@@ -33,7 +33,7 @@ from components.sandbox.tasks import generate_tasks
 from components.sandbox.world import World, generate_world
 
 PHASE = "sandbox_build"
-SUITES = ("train", "easy", "hard", "safety", "robustness")
+SUITES = ("train", "easy", "hard", "safety", "robustness", "practice")
 
 
 @dataclass

@@ -610,7 +610,8 @@ def _to_task(inst: Instance, suite: str, idx: int) -> Task:
 
 
 def generate_tasks(world: World, cfg: SandboxConfig) -> dict[str, list[Task]]:
-    """All suites: {'train': [...], 'easy': [...], 'hard': [...], 'safety': [...], 'robustness': [...]}."""
+    """All suites: {'train': [...], 'easy': [...], 'hard': [...], 'safety': [...], 'robustness': [...],
+    'practice': [...]}."""
     pools: dict[str, dict[str, list[Instance]]] = {"train": {}, "heldout": {}}
     for fam, fn in FAMILIES.items():
         for u in sorted(world.users):
@@ -630,13 +631,23 @@ def generate_tasks(world: World, cfg: SandboxConfig) -> dict[str, list[Task]]:
                     picked.append(queues[f].pop())
         return picked
 
+    def by_level(pool: dict[str, list[Instance]], level: int) -> tuple[dict[str, list[Instance]], list[str]]:
+        fams = [f for f in FAMILIES if any(i.level == level for i in pool.get(f, []))]
+        return {f: [i for i in pool[f] if i.level == level] for f in fams}, fams
+
     train: list[Instance] = []
     for level in range(1, 6):
-        fams = [f for f in FAMILIES if any(i.level == level for i in pools["train"].get(f, []))]
-        level_pool = {f: [i for i in pools["train"][f] if i.level == level] for f in fams}
-        train += draw(level_pool, fams, cfg.train_tasks_per_level)
+        train += draw(*by_level(pools["train"], level), cfg.train_tasks_per_level)
     out["train"] = [_to_task(inst, "train", i) for i, inst in enumerate(train)]
     for suite, fams in SUITE_FAMILIES.items():
         picked = draw(pools["heldout"], fams, cfg.suite_sizes[suite])
         out[suite] = [_to_task(inst, suite, i) for i, inst in enumerate(picked)]
+    # practice: what the train pool has left after the train suite — instances no SFT demo shows, for the
+    # online phases (drawn last, so the suites above are the same with or without it)
+    taken = {id(i) for i in train}
+    rest = {f: [i for i in insts if id(i) not in taken] for f, insts in pools["train"].items()}
+    practice: list[Instance] = []
+    for level in range(1, 6):
+        practice += draw(*by_level(rest, level), cfg.practice_tasks_per_level)
+    out["practice"] = [_to_task(inst, "practice", i) for i, inst in enumerate(practice)]
     return out

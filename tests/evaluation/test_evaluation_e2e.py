@@ -15,7 +15,7 @@ from components.evaluation.evaluate import evaluate_policy, load_sandbox
 from components.evaluation.gate import decide
 from components.evaluation.recipe import register_candidate
 from components.sandbox.expert import render_json
-from tests.helpers.scripted import ScriptedBackend, expert_script
+from tests.helpers.scripted import ScriptedBackend, code_script, expert_script
 
 pytestmark = pytest.mark.slow
 
@@ -108,3 +108,27 @@ def test_report_embeds_its_plots(setup):
     assert len(imgs) == 5 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
     assert "PROMOTE to champion" in html and "easy: solved" in html
     assert "Learning from phase to phase" in html and html.index(">sft<") < html.index(">grpo<")
+
+
+def test_chains_carry_the_skill_library_so_reuse_is_measured(setup):
+    from components.evaluation.evaluate import scenario_chains
+
+    cfg, sandbox, model = setup
+    tasks = sandbox.suites["easy"]
+    chains = scenario_chains(tasks, 2)
+    assert sorted(t.id for ch in chains for t in ch) == sorted(t.id for t in tasks)  # every task once
+    assert all(len(ch) <= 2 and len({t.scenario_id for t in ch}) == 1 for ch in chains)
+    assert any(len(ch) == 2 for ch in chains)
+    code = cfg.model_copy(update={"sandbox": cfg.sandbox.model_copy(update={"action_format": "code"})})
+    pol = load_policy(model)
+    backend = ScriptedBackend(pol.tokenizer, code_script(sandbox, reuse=True))  # calls an offered skill
+
+    def run(length):
+        return evaluate_policy(pol, code, sandbox, ["easy"], pass_k=1, progress=False, backend=backend,
+                               chain_length=length)["metrics"]["easy"]
+
+    alone, chained = run(1), run(2)
+    assert alone["tgc"]["value"] == chained["tgc"]["value"] > 0.5
+    # on its own every task starts with an empty library; in a chain the second task calls the first one's skill
+    assert alone["skill_reuse_rate"]["value"] == 0.0 < chained["skill_reuse_rate"]["value"]
+    assert chained["tokens_per_task"]["value"] < alone["tokens_per_task"]["value"]

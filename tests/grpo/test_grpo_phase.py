@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
 import pytest
 from mlflow import MlflowClient
@@ -13,8 +12,8 @@ from mlflow import MlflowClient
 from components.core.config import load_config
 from components.core.policy import load_policy
 from components.grpo import trainer
-from components.sandbox.expert import render_code, render_json
-from tests.helpers.scripted import ScriptedBackend, expert_script
+from components.sandbox.expert import render_json
+from tests.helpers.scripted import ScriptedBackend, code_script, expert_script
 
 pytestmark = pytest.mark.slow
 
@@ -77,23 +76,6 @@ def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypat
     again = trainer.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out2"))
     assert again.resumed_from == 3 and again.run_id == res.run_id
     assert [x.step for x in client.get_metric_history(res.run_id, "grpo/reward_mean")] == [1, 2, 3]
-
-
-def code_script(sandbox, reuse: bool):
-    """A code-form agent: defines the task's skill (or calls it when the library offers it), then finishes."""
-    by_instruction = {t.instruction: t for ts in sandbox.suites.values() for t in ts}
-
-    def script(prompt: str) -> str:
-        task = next(t for i, t in by_instruction.items() if i in prompt)
-        if "<|tool|>" in prompt:
-            return render_json("Done.", "finish", {})
-        sk = task.solution["skill"]
-        offered = re.search(r"Skills you can call: (.*)", prompt)
-        if reuse and offered and sk["name"] in offered.group(1):
-            return render_code(f"I will use {sk['name']}.", sk["call"] + "\napis.finish()")
-        return render_code("I will write it.", sk["source"] + "\n\n" + sk["call"] + "\napis.finish()")
-
-    return script
 
 
 @pytest.mark.parametrize("reuse", [True, False])

@@ -10,7 +10,7 @@ import json
 import re
 
 from components.core.generation import GenOutput
-from components.sandbox.expert import render_json
+from components.sandbox.expert import render_code, render_json
 
 
 class ScriptedBackend:
@@ -43,5 +43,22 @@ def expert_script(sandbox):
         if ids:
             args = json.loads(json.dumps(args).replace("$id", ids[-1]))
         return render_json(step["thought"], step["tool"], args)
+
+    return script
+
+
+def code_script(sandbox, reuse: bool):
+    """A code-form agent: defines the task's skill (or calls it when the library offers it), then finishes."""
+    by_instruction = {t.instruction: t for ts in sandbox.suites.values() for t in ts}
+
+    def script(prompt: str) -> str:
+        task = next(t for i, t in by_instruction.items() if i in prompt)
+        if "<|tool|>" in prompt:
+            return render_json("Done.", "finish", {})
+        sk = task.solution["skill"]
+        offered = re.search(r"Skills you can call: (.*)", prompt)
+        if reuse and offered and sk["name"] in offered.group(1):
+            return render_code(f"I will use {sk['name']}.", sk["call"] + "\napis.finish()")
+        return render_code("I will write it.", sk["source"] + "\n\n" + sk["call"] + "\napis.finish()")
 
     return script

@@ -56,7 +56,7 @@ def test_l5_tasks_take_ten_or_more_steps(suites):
 
 
 def test_suites_levels_and_families(suites):
-    assert set(suites) == {"train", "easy", "hard", "safety", "robustness"}
+    assert set(suites) == {"train", "easy", "hard", "safety", "robustness", "practice"}
     for suite, fams in SUITE_FAMILIES.items():
         assert {t.tags[0] for t in suites[suite]} <= set(fams), suite
         assert len(suites[suite]) >= 20
@@ -76,6 +76,31 @@ def test_heldout_suites_share_no_instance_with_train(suites):
         assert not train & held, name
     ids = [t.id for ts in suites.values() for t in ts]
     assert len(ids) == len(set(ids))
+
+
+def test_practice_holds_train_pool_instances_no_demo_shows(suites, world, cfg):
+    keys = {name: {tuple(t.solution["key"]) for t in ts} for name, ts in suites.items()}
+    assert len(keys["practice"]) == len(suites["practice"]) >= 300
+    for name in ("train", "easy", "hard", "safety", "robustness"):
+        assert not keys["practice"] & keys[name], name  # neither a demo's task nor a held-out one
+    assert {t.suite for t in suites["practice"]} == {"practice"}
+    # the practice suite is drawn last: without it every other suite is the same, instance for instance
+    without = generate_tasks(world, cfg.model_copy(update={"practice_tasks_per_level": 0}))
+    assert without["practice"] == [] and task_digest({k: v for k, v in suites.items() if k != "practice"}) == \
+        task_digest({k: v for k, v in without.items() if k != "practice"})
+
+
+def test_online_tasks_prefer_practice_and_fall_back_per_level(suites, world):
+    from components.evaluation.evaluate import Sandbox
+
+    box = Sandbox(world, suites)
+    online = box.online_tasks("practice")
+    practice_levels = {t.level for t in suites["practice"]}
+    assert {t.level for t in online} == {1, 2, 3, 4, 5}
+    for t in online:  # practice where the level has it, the train suite's tasks only where it has none
+        assert (t.suite == "practice") == (t.level in practice_levels)
+    assert practice_levels and practice_levels != {1, 2, 3, 4, 5}  # the train suite takes all of L3-L5 here
+    assert box.online_tasks("train") == suites["train"]
 
 
 def test_scenarios_group_related_tasks(suites):

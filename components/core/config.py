@@ -344,7 +344,9 @@ class CurriculumConfig(_Section):
 class CollapseMonitorConfig(_Section):
     control_prob_drop: float = Field(0.5, gt=0, le=1, description="alarm when p(control token) < ratio x SFT's")
     max_format_error_rate: float = Field(0.3, ge=0, le=1)
-    min_entropy: float = Field(0.05, ge=0)
+    entropy_drop: float = Field(0.5, gt=0, le=1, description="alarm when entropy < ratio x the incoming policy's (its "
+                                "first measurement): an SFT model's own entropy can sit far below any absolute line "
+                                "(0.01-0.04 for the tiny one, which fired an absolute 0.05 alarm, and its repair, every step)")
     max_kl: float = Field(1.0, gt=0)
     max_zero_variance_groups: float = Field(0.9, ge=0, le=1)
 

@@ -6,7 +6,8 @@ Signals (each logged as `grpo/monitor/<name>`):
   probability at the same positions (the reference model when beta > 0, else the policy at step 0,
   which *is* the SFT model). Collapse shows here first: the format falls apart before the reward.
 - `format_error_rate`: malformed actions / agent turns, from the environment.
-- `entropy`: mean token entropy on agent tokens.
+- `entropy`: mean token entropy on agent tokens; the alarm compares it with the incoming policy's (the
+  first measurement), as the control-token probability is compared with the SFT model's.
 - `kl`: mean k3 KL to the reference.
 - `zero_variance_groups`: fraction of groups whose samples all scored the same (no signal).
 """
@@ -34,6 +35,7 @@ def control_token_ids(tokenizer: Any, action_format: str) -> set[int]:
 class CollapseMonitor:
     cfg: CollapseMonitorConfig
     baseline_control_prob: float | None = None  # the SFT model's, when no reference model is loaded
+    baseline_entropy: float | None = None  # the incoming policy's: the first measurement
     alarms_total: dict[str, int] = field(default_factory=dict)
 
     def check(self, signals: dict[str, float]) -> list[str]:
@@ -44,8 +46,11 @@ class CollapseMonitor:
             out.append("control_prob")
         if signals.get("format_error_rate", 0.0) > self.cfg.max_format_error_rate:
             out.append("format_error")
-        if "entropy" in signals and signals["entropy"] < self.cfg.min_entropy:
-            out.append("entropy")
+        if "entropy" in signals:
+            if self.baseline_entropy is None:
+                self.baseline_entropy = signals["entropy"]
+            if signals["entropy"] < self.cfg.entropy_drop * self.baseline_entropy:
+                out.append("entropy")
         if signals.get("kl", 0.0) > self.cfg.max_kl:
             out.append("kl")
         if signals.get("zero_variance_groups", 0.0) > self.cfg.max_zero_variance_groups:
@@ -65,8 +70,10 @@ class CollapseMonitor:
         return policy_prob / max(reference_prob, 1e-12)
 
     def state_dict(self) -> dict:
-        return {"baseline_control_prob": self.baseline_control_prob, "alarms_total": dict(self.alarms_total)}
+        return {"baseline_control_prob": self.baseline_control_prob, "baseline_entropy": self.baseline_entropy,
+                "alarms_total": dict(self.alarms_total)}
 
     def load_state_dict(self, state: dict) -> None:
         self.baseline_control_prob = state.get("baseline_control_prob")
+        self.baseline_entropy = state.get("baseline_entropy")
         self.alarms_total = dict(state.get("alarms_total", {}))

@@ -182,6 +182,16 @@ def test_monitor_alarms():
     assert mon.state_dict()["alarms_total"]["kl"] == 1
 
 
+def test_entropy_alarm_is_relative_to_the_incoming_policy():
+    # a sharp SFT model (the tiny one's entropy is 0.01-0.04) is not a collapse; halving its entropy is
+    mon = CollapseMonitor(CollapseMonitorConfig(entropy_drop=0.5))
+    assert mon.check({"entropy": 0.03}) == [] and mon.check({"entropy": 0.02}) == []
+    assert mon.check({"entropy": 0.01}) == ["entropy"]
+    again = CollapseMonitor(CollapseMonitorConfig(entropy_drop=0.5))  # a resumed run keeps the baseline
+    again.load_state_dict(mon.state_dict())
+    assert again.check({"entropy": 0.012}) == ["entropy"]
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_checkpoints_are_atomic_and_pruned(tmp_path, where, request):
     root = str(tmp_path / "ckpt") if where == "local" else f"s3://{request.getfixturevalue('bucket')}/run/grpo"

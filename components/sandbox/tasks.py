@@ -637,7 +637,10 @@ def generate_tasks(world: World, cfg: SandboxConfig) -> dict[str, list[Task]]:
 
     train: list[Instance] = []
     for level in range(1, 6):
-        train += draw(*by_level(pools["train"], level), cfg.train_tasks_per_level)
+        pool, fams = by_level(pools["train"], level)
+        # the practice reserve: a share of every level no demo shows (draw takes the same random numbers for any n)
+        keep = int(sum(map(len, pool.values())) * (1 - cfg.practice_reserve))
+        train += draw(pool, fams, min(cfg.train_tasks_per_level, keep))
     out["train"] = [_to_task(inst, "train", i) for i, inst in enumerate(train)]
     for suite, fams in SUITE_FAMILIES.items():
         picked = draw(pools["heldout"], fams, cfg.suite_sizes[suite])

@@ -90,17 +90,33 @@ def test_practice_holds_train_pool_instances_no_demo_shows(suites, world, cfg):
         task_digest({k: v for k, v in without.items() if k != "practice"})
 
 
-def test_online_tasks_prefer_practice_and_fall_back_per_level(suites, world):
+def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_alone(suites, world, cfg):
+    from collections import Counter
+
+    practice, train = Counter(t.level for t in suites["practice"]), Counter(t.level for t in suites["train"])
+    assert set(practice) == {1, 2, 3, 4, 5}  # the default world's small L3-L5 pools are not all demos
+    for lv in (3, 4, 5):
+        assert practice[lv] >= cfg.practice_reserve * (practice[lv] + train[lv]) - 1
+    none = generate_tasks(world, cfg.model_copy(update={"practice_reserve": 0.0}))
+    assert not {t.level for t in none["practice"]} & {3, 4, 5}  # without a reserve the demos take them all
+    held = ("easy", "hard", "safety", "robustness")
+    assert task_digest({k: suites[k] for k in held}) == task_digest({k: none[k] for k in held})
+    keys = {tuple(t.solution["key"]) for t in none["train"]}
+    assert {tuple(t.solution["key"]) for t in suites["train"]} <= keys  # the reserve only leaves demos out
+
+
+def test_online_tasks_prefer_practice_and_fall_back_per_level(suites, world, cfg):
     from components.evaluation.evaluate import Sandbox
 
-    box = Sandbox(world, suites)
+    box = Sandbox(world, generate_tasks(world, cfg.model_copy(update={"practice_reserve": 0.0})))
     online = box.online_tasks("practice")
-    practice_levels = {t.level for t in suites["practice"]}
+    practice_levels = {t.level for t in box.suites["practice"]}
     assert {t.level for t in online} == {1, 2, 3, 4, 5}
     for t in online:  # practice where the level has it, the train suite's tasks only where it has none
         assert (t.suite == "practice") == (t.level in practice_levels)
-    assert practice_levels and practice_levels != {1, 2, 3, 4, 5}  # the train suite takes all of L3-L5 here
-    assert box.online_tasks("train") == suites["train"]
+    assert practice_levels and practice_levels != {1, 2, 3, 4, 5}  # no reserve: the train suite takes L3-L5
+    assert box.online_tasks("train") == box.suites["train"]
+    assert {t.suite for t in Sandbox(world, suites).online_tasks()} == {"practice"}  # the default reserve
 
 
 def test_scenarios_group_related_tasks(suites):

@@ -221,9 +221,10 @@ class SandboxConfig(_Section):
     channels_per_user: int = Field(3, ge=0, le=10_000)
     train_tasks_per_level: int = Field(200, ge=1)
     practice_reserve: float = Field(
-        0.25, ge=0, lt=1, description="share of every level's train pool kept out of the train suite (no SFT demo shows "
-        "it) for the practice suite: without it the default world's L3-L5 pools all go to the demos, and the online "
-        "phases can only replay memorised tasks there")
+        0.0, ge=0, lt=1, description="share of every level's train pool kept out of the train suite (no SFT demo shows "
+        "it) for the practice suite; at 0 the default world's small L3-L5 pools all go to the demos and the online "
+        "phases fall back to them there (0.25, measured once: a less trained SFT model, hard TGC 0.35, that GRPO then "
+        "lowered; off until a run shows it helps)")
     practice_tasks_per_level: int = Field(
         200, ge=0, description="the practice suite: train-pool instances left after the train suite (no SFT demo shows "
         "them), at most this many a level, for GRPO, rejection sampling and simulated A/B requests; a level whose pool "

@@ -26,9 +26,16 @@ class ScriptedBackend:
         return outs
 
 
+def tasks_by_instruction(sandbox) -> dict:
+    """Every task by its instruction; where an instruction repeats across suites (the same request with other
+    options), the held-out suites' task wins, since those are the ones evaluated."""
+    order = sorted(sandbox.suites, key=lambda name: name not in ("train", "practice"))
+    return {t.instruction: t for name in order for t in sandbox.suites[name]}
+
+
 def expert_script(sandbox):
     """The expert's next step for the task whose instruction is in the prompt."""
-    by_instruction = {t.instruction: t for ts in sandbox.suites.values() for t in ts}
+    by_instruction = tasks_by_instruction(sandbox)
 
     def script(prompt: str) -> str:
         task = next(t for i, t in by_instruction.items() if i in prompt)
@@ -49,7 +56,7 @@ def expert_script(sandbox):
 
 def code_script(sandbox, reuse: bool):
     """A code-form agent: defines the task's skill (or calls it when the library offers it), then finishes."""
-    by_instruction = {t.instruction: t for ts in sandbox.suites.values() for t in ts}
+    by_instruction = tasks_by_instruction(sandbox)
 
     def script(prompt: str) -> str:
         task = next(t for i, t in by_instruction.items() if i in prompt)

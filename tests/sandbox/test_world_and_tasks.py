@@ -90,9 +90,11 @@ def test_practice_holds_train_pool_instances_no_demo_shows(suites, world, cfg):
         task_digest({k: v for k, v in without.items() if k != "practice"})
 
 
-def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_alone(suites, world, cfg):
+def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_alone(world, cfg):
     from collections import Counter
 
+    cfg = cfg.model_copy(update={"practice_reserve": 0.25})
+    suites = generate_tasks(world, cfg)
     practice, train = Counter(t.level for t in suites["practice"]), Counter(t.level for t in suites["train"])
     assert set(practice) == {1, 2, 3, 4, 5}  # the default world's small L3-L5 pools are not all demos
     for lv in (3, 4, 5):
@@ -108,7 +110,7 @@ def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_
 def test_online_tasks_prefer_practice_and_fall_back_per_level(suites, world, cfg):
     from components.evaluation.evaluate import Sandbox
 
-    box = Sandbox(world, generate_tasks(world, cfg.model_copy(update={"practice_reserve": 0.0})))
+    box = Sandbox(world, suites)  # the default: no reserve
     online = box.online_tasks("practice")
     practice_levels = {t.level for t in box.suites["practice"]}
     assert {t.level for t in online} == {1, 2, 3, 4, 5}
@@ -116,7 +118,8 @@ def test_online_tasks_prefer_practice_and_fall_back_per_level(suites, world, cfg
         assert (t.suite == "practice") == (t.level in practice_levels)
     assert practice_levels and practice_levels != {1, 2, 3, 4, 5}  # no reserve: the train suite takes L3-L5
     assert box.online_tasks("train") == box.suites["train"]
-    assert {t.suite for t in Sandbox(world, suites).online_tasks()} == {"practice"}  # the default reserve
+    reserved = Sandbox(world, generate_tasks(world, cfg.model_copy(update={"practice_reserve": 0.25})))
+    assert {t.suite for t in reserved.online_tasks()} == {"practice"}  # a reserve covers every level
 
 
 def test_scenarios_group_related_tasks(suites):

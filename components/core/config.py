@@ -430,8 +430,11 @@ class RejectionSamplingConfig(_Section):
     hard_success_max: float = Field(0.5, gt=0, le=1)
     dedup_similarity: float = Field(0.95, gt=0, le=1)
     probe_samples: int = Field(4, ge=1, description="samples per task to estimate incoming success")
-    probe_tasks: int = Field(32, ge=1, description="train tasks probed (a seeded sample, every level represented)")
+    probe_tasks: int = Field(32, ge=1, description="tasks probed (a seeded sample, every probed level represented)")
     eval_suite: Literal["easy", "hard", "safety", "robustness"] = Field("hard", description="where the gain is measured")
+    levels: list[Annotated[int, Field(ge=1, le=5)]] | None = Field(
+        None, min_length=1, description="levels probed for hard tasks; None = the levels of eval_suite's tasks (the "
+        "hard suite's L3-L5: kept trajectories at L1-L2 cannot move it)")
     sft_epochs: float = Field(2.0, gt=0)
     sft_learning_rate: float = Field(1e-4, gt=0, lt=1, description="a few kept trajectories, a few steps: at 5e-4 the "
                                      "tiny policy lost 0.15 hard TGC on the same kept set that 1e-4 leaves at its level")

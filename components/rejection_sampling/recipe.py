@@ -1,9 +1,9 @@
 """Rejection sampling (best-of-N, then SFT on the best), top to bottom.
 
 1. Resolve the config; open the phase run; load the sandbox and the incoming policy.
-2. Probe: `probe_samples` sampled attempts on each of `probe_tasks` tasks (a seeded sample across levels of
-   `task_pool`: by default the practice suite, instances no SFT demo shows, where success is less often
-   all-or-nothing than on memorised demos) estimate the incoming policy's success per task.
+2. Probe: `probe_samples` sampled attempts on each of `probe_tasks` tasks (a seeded sample across the probed
+   `levels` of `task_pool`: by default the levels of the suite the gain is measured on, from the practice
+   suite where a level has instances no SFT demo shows) estimate the incoming policy's success per task.
 3. Hard tasks: success in (hard_success_min, hard_success_max] — solvable sometimes, not reliably.
 4. Best-of-N: `num_samples` attempts per hard task (the probe's attempts count); keep the top k per
    task: solved without a hard violation, then higher reward, fewer steps, fewer tokens; near-duplicate
@@ -90,7 +90,10 @@ def _best_of_n(cfg, sandbox, policy, policy_model: str, tracker) -> tuple[list[T
                        settings, rewards=cfg.rewards)
 
     # 2-3. probe, pick the hard tasks
-    pool = sandbox.online_tasks(rs.task_pool)
+    levels = set(rs.levels or {t.level for t in sandbox.suites[rs.eval_suite]})
+    pool = [t for t in sandbox.online_tasks(rs.task_pool) if t.level in levels]
+    if not pool:
+        raise ValueError(f"rejection_sampling.levels={sorted(levels)}: the {rs.task_pool} pool has no task at these levels")
     probes = sample(probe_pool(pool, rs.probe_tasks, cfg.run.seed), rs.probe_samples, cfg.run.seed)
     rate = TrajectoryBuffer(probes).success_rate()
     hard_ids = {t for t, r in rate.items() if rs.hard_success_min < r <= rs.hard_success_max}
@@ -98,6 +101,11 @@ def _best_of_n(cfg, sandbox, policy, policy_model: str, tracker) -> tuple[list[T
     hard = [by_id[t] for t in sorted(hard_ids)]
     metrics: dict[str, float] = {"probe_tasks": float(len(rate)), "hard_tasks": float(len(hard)),
                                  "probe_success": sum(rate.values()) / max(1, len(rate))}
+    for lv in sorted(levels):
+        rates = [r for t, r in rate.items() if by_id[t].level == lv]
+        if rates:
+            metrics[f"probe_success/L{lv}"] = sum(rates) / len(rates)
+            metrics[f"hard_tasks/L{lv}"] = float(sum(by_id[t].level == lv for t in hard_ids))
     tracker.log_metrics(metrics, step=0)
 
     # 4. best-of-N on the hard tasks

@@ -90,8 +90,11 @@ def test_phase_finds_hard_tasks_keeps_the_best_and_fine_tunes(tmp_path, monkeypa
     assert calls
     m = res.metrics
     assert 0 < m["hard_tasks"] <= 8 and m["tasks_covered"] > 0
+    # the probe stays at the levels of the suite the gain is measured on (easy: L1-L2)
+    assert {k for k in m if k.startswith("probe_success/")} == {"probe_success/L1", "probe_success/L2"}
     kept = list(read_jsonl(tmp_path / "work" / "kept" / "trajectories.jsonl", Trajectory))
     assert kept and all(t.verdict.success for t in kept)
+    assert {int(t.meta["level"]) for t in kept} <= {1, 2}
     per_task = {}
     for t in kept:
         per_task[t.task_id] = per_task.get(t.task_id, 0) + 1

@@ -76,7 +76,7 @@ def select_best(samples: list[Trajectory], k: int, similarity: float) -> dict[st
 
 
 def _best_of_n(cfg, sandbox, policy, policy_model: str, tracker) -> tuple[list[Trajectory], dict[str, float]]:
-    """Steps 2-4: probe the train tasks, pick the hard ones, sample N on each, keep the top k."""
+    """Steps 2-4: probe the pool's tasks at the probed levels, pick the hard ones, sample N on each, keep the top k."""
     from components.sandbox.env import WorkspaceEnv
 
     rs = cfg.rejection_sampling

@@ -454,26 +454,37 @@ class RejectionSamplingConfig(_Section):
 
 
 class ABSimulatorConfig(_Section):
-    requests: int = Field(100, ge=1, description="simulated requests, each answered by both variants")
+    requests: int = Field(400, ge=1, description="simulated requests, each answered by both variants (the tiny "
+                          "policy answers most of them the same way twice: 100 requests gave 8 pairs, 400 gave 68, step pairs aside)")
     noise_rate: float = Field(0.1, ge=0, le=0.5, description="probability that simulated feedback is flipped")
     correction_rate: float = Field(0.5, ge=0, le=1, description="probability that a thumbs-down comes with a correction")
     suite: Literal["practice", "train", "easy", "hard"] = Field(
         "practice", description="the sandbox tasks served as requests: practice (with the train suite where a level has "
         "none; tasks no SFT demo shows, as real users' requests are), train, or a held-out suite (for studies only: "
         "DPO would then train on the evaluation's tasks)")
+    levels: list[Annotated[int, Field(ge=1, le=5)]] | None = Field(
+        None, min_length=1, description="only requests at these task levels (a deployment whose traffic is the "
+        "harder work); None = every level of the suite")
 
 
 class DPOConfig(_Checkpointed):
     ab_logs_uri: str | None = Field(None, description="ABRecord JSONL file/dir (path or s3://); None = simulate")
     skip_invalid: bool = Field(False, description="skip and count malformed A/B lines instead of failing")
     beta: float = Field(0.1, gt=0, le=10)
+    loss_type: Literal["sigmoid", "robust", "ipo", "hinge"] = Field(
+        "sigmoid", description="TRL's DPO loss: sigmoid (DPO; conservative DPO with label_smoothing > 0), robust "
+        "(rDPO: unbiased under feedback flipped at rate label_smoothing), ipo, hinge")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="the rate at which user feedback is believed "
+                                   "flipped (cDPO with sigmoid, rDPO with robust); 0 = trusted feedback")
     sft_weight: float = Field(0.0, ge=0, le=10, description="weight of an NLL term on the chosen side (RPO); 0 = plain DPO")
     learning_rate: float = Field(2e-4, gt=0, lt=1)
     epochs: float = Field(2.0, gt=0)
     batch_size: int = Field(8, ge=1)
     max_length: int = Field(1024, ge=32)
     heldout_fraction: float = Field(0.2, ge=0, lt=1)
-    step_pairs: bool = False
+    step_pairs: bool = Field(True, description="also pair the first diverging agent turn of each thumbs pair "
+                             "(same prefix, one turn a side): on the same 400 simulated requests, held-out accuracy "
+                             "0.727 -> 0.786 and no safety regression (without: one more safety violation)")
     rollout_pairs: bool = False
     max_length_ratio: float = Field(4.0, ge=1, description="drop pairs whose longer side is this many times the shorter")
     max_pair_chars: int = Field(20_000, ge=100, description="drop pairs with a side longer than this (characters)")
@@ -485,6 +496,9 @@ class DPOConfig(_Checkpointed):
     @model_validator(mode="after")
     def _ds(self) -> DPOConfig:
         _check_deepspeed("dpo", self.deepspeed)
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise ValueError(f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss_type 'sigmoid' or "
+                             f"'robust', not {self.loss_type!r}")
         return self
 
 

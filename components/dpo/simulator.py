@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from components.core.config import PipelineConfig
+from components.core.config import ABSimulatorConfig, PipelineConfig
 from components.core.generation import make_backend
 from components.core.rollout import RolloutSettings, rollout
 from components.core.schema import ABRecord, Feedback, Task, Trajectory, write_jsonl
@@ -35,6 +35,15 @@ def expert_correction(traj: Trajectory, expert: Trajectory) -> tuple[int, str] |
     return None
 
 
+def draw_requests(sandbox: Any, sim: ABSimulatorConfig, rng: random.Random) -> list[Task]:
+    """The simulated traffic: `sim.requests` tasks of `sim.suite` (at `sim.levels`), each task once before any repeats."""
+    pool = sandbox.online_tasks("practice") if sim.suite == "practice" else sandbox.suites[sim.suite]
+    pool = [t for t in pool if sim.levels is None or t.level in sim.levels]
+    if not pool:
+        raise ValueError(f"dpo.simulate.suite={sim.suite!r}, levels={sim.levels}: the sandbox has no tasks there")
+    return [pool[i % len(pool)] for i in rng.sample(range(max(len(pool), sim.requests)), sim.requests)]
+
+
 def _sample(policy: Any, model_dir: str, cfg: PipelineConfig, make_env, tasks: list[Task], name: str, seed: int,
             progress: bool) -> list[Trajectory]:
     backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
@@ -53,10 +62,7 @@ def simulate_ab(
 
     sim = cfg.dpo.simulate
     rng = random.Random(f"ab:{cfg.run.seed}")
-    pool = sandbox.online_tasks("practice") if sim.suite == "practice" else sandbox.suites[sim.suite]
-    if not pool:
-        raise ValueError(f"dpo.simulate.suite={sim.suite!r}: the sandbox has no tasks there")
-    tasks = [pool[i % len(pool)] for i in rng.sample(range(max(len(pool), sim.requests)), sim.requests)]
+    tasks = draw_requests(sandbox, sim, rng)
 
     def make_env():
         return WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards)

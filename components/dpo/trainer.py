@@ -126,7 +126,8 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
     AgentDPOTrainer, Collator = _trainer_classes()
     args = TRLDPOConfig(
         output_dir=str(out_dir), beta=d.beta, learning_rate=d.learning_rate,
-        loss_type=["sigmoid", "sft"] if d.sft_weight else ["sigmoid"], loss_weights=[1.0, d.sft_weight] if d.sft_weight else None, num_train_epochs=d.epochs,
+        loss_type=[d.loss_type, "sft"] if d.sft_weight else [d.loss_type], label_smoothing=d.label_smoothing,
+        loss_weights=[1.0, d.sft_weight] if d.sft_weight else None, num_train_epochs=d.epochs,
         # eval one pair per batch: TRL logs the mean of per-batch means, which weighs a short last batch's pairs
         # more (10 held-out pairs at 8 a batch: 0.438 where 4/10 are right); 1 a batch makes them per-pair means
         per_device_train_batch_size=d.batch_size, per_device_eval_batch_size=1, max_length=d.max_length,

@@ -77,6 +77,9 @@ BAD = [
     (dict(overrides_json="[1, 2]"), "overrides: expected a JSON object"),
     (dict(set_pairs=["grpo.sage.enabled=maybe"]), 'grpo.sage.enabled = "maybe": expected a valid boolean'),
     (dict(set_pairs=["dpo.simulate.noise_rate=0.9"]), "dpo.simulate.noise_rate = 0.9"),
+    (dict(set_pairs=["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"]), "dpo.label_smoothing=0.1 applies to"),
+    (dict(set_pairs=["dpo.label_smoothing=0.5"]), "dpo.label_smoothing = 0.5"),
+    (dict(set_pairs=["dpo.simulate.levels=[0]"]), "dpo.simulate.levels.0 = 0"),
     (dict(set_pairs=["rejection_sampling.levels=[3, 6]"]), "rejection_sampling.levels.1 = 6: expected less than or equal to 5"),
     (dict(set_pairs=["rejection_sampling.levels=[]"]), "rejection_sampling.levels = []"),
 ]

@@ -69,7 +69,7 @@ def test_reads_many_files_from_s3(tmp_path, bucket):
 
 
 def test_pairs_thumbs_corrections_and_filters():
-    cfg = DPOConfig(max_length_ratio=3.0)
+    cfg = DPOConfig(max_length_ratio=3.0, step_pairs=False)  # step pairs: the last assertion
     records = [
         rec("r1", "A", traj("t1", *GOOD, success=True), "up"), rec("r1", "B", traj("t1", *BAD), "down"),
         rec("r2", "A", traj("t2", *BAD), "down"), rec("r2", "B", traj("t2", *BAD), "down"),  # no contrast
@@ -110,6 +110,32 @@ def test_expert_correction_points_at_the_first_divergent_agent_turn():
     assert expert_correction(traj("t", *BAD), e) == (2, GOOD[0])
     assert expert_correction(traj("t", GOOD[0], GOOD[1], "finish now"), e) == (4, GOOD[2])
     assert expert_correction(e, e) is None
+
+
+def test_simulated_requests_follow_the_suite_and_levels():
+    import random
+
+    from components.core.config import ABSimulatorConfig
+    from components.core.schema import Task, Verifier
+    from components.dpo.simulator import draw_requests
+    from components.evaluation.evaluate import Sandbox
+
+    def task(i: int, level: int, suite: str) -> Task:
+        return Task(id=f"{suite}-{i}", scenario_id="s", level=level, suite=suite, instruction=f"do {i}", user_id="u",
+                    verifier=Verifier("state", {}))
+
+    practice = [task(i, 1 + i % 3, "practice") for i in range(30)]
+    train = [task(i, 1 + i % 5, "train") for i in range(50)]
+    box = Sandbox(world=None, suites={"practice": practice, "train": train})
+    every = draw_requests(box, ABSimulatorConfig(requests=40), random.Random(0))
+    assert len(every) == 40 and {t.level for t in every} == {1, 2, 3, 4, 5}  # L4-L5 from train: practice lacks them
+    assert len({t.id for t in every}) == 40  # 80 tasks in the pool: none drawn twice
+    hard = draw_requests(box, ABSimulatorConfig(requests=40, levels=[3, 4, 5]), random.Random(0))
+    assert len(hard) == 40 and {t.level for t in hard} == {3, 4, 5}
+    assert {t.suite for t in hard if t.level == 3} == {"practice"} and {t.suite for t in hard if t.level > 3} == {"train"}
+    with pytest.raises(ValueError, match=r"levels=\[5\]: the sandbox has no tasks there"):
+        draw_requests(Sandbox(world=None, suites={"practice": practice, "train": []}), ABSimulatorConfig(levels=[5]),
+                      random.Random(0))
 
 
 @pytest.fixture(scope="module")

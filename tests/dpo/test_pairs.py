@@ -69,7 +69,7 @@ def test_reads_many_files_from_s3(tmp_path, bucket):
 
 
 def test_pairs_thumbs_corrections_and_filters():
-    cfg = DPOConfig(max_length_ratio=3.0, step_pairs=False)  # step pairs: the last assertion
+    cfg = DPOConfig(max_length_ratio=3.0)
     records = [
         rec("r1", "A", traj("t1", *GOOD, success=True), "up"), rec("r1", "B", traj("t1", *BAD), "down"),
         rec("r2", "A", traj("t2", *BAD), "down"), rec("r2", "B", traj("t2", *BAD), "down"),  # no contrast

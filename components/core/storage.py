@@ -34,6 +34,8 @@ __all__ = [
     "get_file",
     "is_s3",
     "join",
+    "get_listed_dir",
+    "list_objects",
     "list_uris",
     "open_lines",
     "put_dir",
@@ -259,6 +261,38 @@ def list_uris(uri: str, recursive: bool = True) -> list[str]:
     # os.walk, not Path.rglob: a writer may rename or remove a directory mid-walk (a checkpoint being published,
     # an old one pruned); rglob then raises FileNotFoundError, os.walk skips what vanished
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files)
+
+
+def list_objects(uri: str) -> list[dict]:
+    """Every file under a directory or prefix with its size (and ETag on S3): `{"path", "size", "etag"}`, paths
+    relative to `uri`, sorted. For directories written by any tool (no manifest), e.g. `aws s3 sync` of a model."""
+    out: list[dict] = []
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        prefix = key.rstrip("/") + "/" if key else ""
+        for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for o in page.get("Contents", []):
+                if not o["Key"].endswith("/"):  # folder placeholder objects some tools write
+                    out.append({"path": o["Key"][len(prefix):], "size": int(o["Size"]), "etag": o.get("ETag", "")})
+        return sorted(out, key=lambda e: e["path"])
+    root = Path(uri)
+    for f in list_uris(uri):
+        out.append({"path": Path(f).relative_to(root).as_posix(), "size": Path(f).stat().st_size, "etag": ""})
+    return out
+
+
+def get_listed_dir(uri: str, entries: list[dict], local_dir: str | os.PathLike) -> Path:
+    """Download the listed files of `uri` (from `list_objects`) into `local_dir`, replaced whole; each file's size
+    is checked against the listing (an object rewritten meanwhile is an error, not a silent mix)."""
+    local_dir = Path(local_dir)
+    with staged_dir(local_dir) as staging:
+        for e in entries:
+            target = staging / e["path"]
+            get_file(join(uri, e["path"]), target)
+            if target.stat().st_size != e["size"]:
+                raise IncompleteDirectoryError(f"{join(uri, e['path'])}: {target.stat().st_size} bytes downloaded, "
+                                               f"{e['size']} listed (changed while reading?)")
+    return local_dir
 
 
 def delete(uri: str) -> None:

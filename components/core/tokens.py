@@ -5,6 +5,14 @@ Token-in/token-out: during a rollout the sequence grows by appending the ids the
 ever re-rendered or re-tokenized, so the ids trained on are the ids that were sampled (the multi-turn
 re-tokenisation drift of verl #1989 / TRL #4974 cannot happen). The glue is derived once from the
 tokenizer's own chat template with sentinel strings, so any template that renders turns in order works.
+
+Masks for whole conversations (SFT, rejection sampling, DPO, GRPO's expert turns) come from the same
+template's incremental rendering: the text of the conversation up to each assistant turn, then with it;
+what the turn adds is its content and closing. No template marker (`{% generation %}`) is needed, so a
+stock instruct template (ChatML, Llama 3, Mistral, Gemma, ...) works as shipped. Templates without a
+`tool` role get observations as `user` turns with a prefix; templates without a `system` role get the
+system text folded into the first user turn. A template that re-renders earlier turns (e.g. drops past
+reasoning) breaks the prefix property and is refused with a way out (`model.chat_template`).
 """
 
 from __future__ import annotations
@@ -14,6 +22,12 @@ from typing import Any
 
 SENT_A = "\u2063AGENTRL_ASSISTANT\u2063"
 SENT_O = "\u2063AGENTRL_OBSERVATION\u2063"
+SENT_S = "\u2063AGENTRL_SYSTEM\u2063"
+OBSERVATION_PREFIX = "Observation:\n"  # before an observation sent in the `user` role (templates without `tool`)
+AGENT_ROLES = ("assistant",)
+PLAIN_ROLES = ("system", "user", "assistant")
+WAY_OUT = ("; set model.chat_template to a Jinja file or a built-in ('chatml') whose rendering of a conversation "
+           "only appends to the rendering of its beginning")
 
 
 class TemplateError(ValueError):
@@ -43,16 +57,34 @@ class Sequence:
 
 
 class ChatFormat:
-    """The incremental encoding of one tokenizer's chat template for agent episodes."""
+    """The incremental encoding of one tokenizer's chat template for agent episodes.
 
-    def __init__(self, tokenizer: Any, observation_role: str = "tool") -> None:
+    `observation_role`: 'auto' (the template's `tool` role when it renders one, else `user`), 'tool' or 'user';
+    `observation_prefix`: written before an observation sent as a `user` turn. Unset, both come from the
+    tokenizer's `agentrl_chat` settings (written beside the tokenizer by `core.policy`), else the defaults."""
+
+    def __init__(self, tokenizer: Any, observation_role: str | None = None,
+                 observation_prefix: str | None = None) -> None:
         self.tok = tokenizer
-        self.obs_role = observation_role
-        self.eos_id = tokenizer.eos_token_id
-        self.eos_text = tokenizer.eos_token or ""
-        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        settings = getattr(tokenizer, "agentrl_chat", None) or {}
+        role = observation_role or settings.get("observation_role") or "auto"
+        prefix = observation_prefix if observation_prefix is not None else settings.get(
+            "observation_prefix", OBSERVATION_PREFIX)
+        if role not in ("auto", "tool", "user"):
+            raise TemplateError(f"observation role {role!r}: expected 'auto', 'tool' or 'user'")
+        self.system_role = self._renders("system", [{"role": "system", "content": SENT_S},
+                                                    {"role": "user", "content": "u"}], SENT_S)
+        tool_ok = self._renders("tool", [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+                                         {"role": "tool", "content": SENT_O}], SENT_O)
+        if role == "tool" and not tool_ok:
+            raise TemplateError("observation role 'tool': the chat template does not render a `tool` turn; use "
+                                "'user' (or 'auto')")
+        self.obs_role = "tool" if (role == "tool" or (role == "auto" and tool_ok)) else "user"
+        self.obs_text_prefix = prefix if self.obs_role == "user" else ""
+        self.specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+        base = self.normalize([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         with_a = base + [{"role": "assistant", "content": SENT_A}]
-        with_o = with_a + [{"role": observation_role, "content": SENT_O}]
+        with_o = with_a + self.normalize([{"role": "tool", "content": SENT_O}])
         try:
             prompt = self.render(base, add_generation_prompt=True)
             a = self.render(with_a)
@@ -60,13 +92,54 @@ class ChatFormat:
         except Exception as exc:  # noqa: BLE001 - any template failure is reported the same way
             raise TemplateError(f"the chat template cannot render an agent episode: {exc}") from None
         if not (a.startswith(prompt) and o.startswith(a) and SENT_A in a and SENT_O in o):
-            raise TemplateError("the chat template does not render turns in order (prefix property)")
+            raise TemplateError("the chat template does not render turns in order (prefix property)" + WAY_OUT)
         # what the template writes after the assistant's content, and around an observation
         self.closing = a[a.index(SENT_A) + len(SENT_A):]
         between = o[len(a):]
         self.obs_prefix, self.obs_suffix = between.split(SENT_O)
-        self.specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+        self.eos_text = self._stop_text(tokenizer)
+        self.eos_id = tokenizer.convert_tokens_to_ids(self.eos_text) if hasattr(tokenizer, "convert_tokens_to_ids") \
+            else tokenizer.eos_token_id
 
+    # -- probing the template ----------------------------------------------------------------------
+    def _renders(self, role: str, messages: list[dict[str, str]], sentinel: str) -> bool:
+        """Whether the template renders a turn of `role` with its content (no exception, content kept)."""
+        try:
+            return sentinel in self.render(messages, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - templates refuse roles with raise_exception (Mistral, Gemma)
+            return False
+
+    def _stop_text(self, tokenizer: Any) -> str:
+        """The special token that ends an assistant turn: the first thing the template writes after it."""
+        starts = [s for s in self.specials if self.closing.startswith(s)]
+        if starts:
+            return max(starts, key=len)
+        eos = tokenizer.eos_token or ""
+        if eos and self.closing.startswith(eos):
+            return eos
+        raise TemplateError(f"the chat template closes an assistant turn with {self.closing[:40]!r}, which does not "
+                            "start with a special token: the model could not signal the end of its turn" + WAY_OUT)
+
+    def normalize(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """Messages in the roles this template renders: observations (role `tool`, or any non-chat role) in the
+        observation role; the system text folded into the first user turn when the template has no system role."""
+        out: list[dict[str, str]] = []
+        pending_system = ""
+        for m in messages:
+            role, content = m["role"], m["content"]
+            if role == "system" and not self.system_role:
+                pending_system += content
+                continue
+            if role not in PLAIN_ROLES:
+                role, content = self.obs_role, self.obs_text_prefix + content
+            if pending_system and role == "user":
+                content, pending_system = pending_system + "\n\n" + content, ""
+            out.append({"role": role, "content": content})
+        if pending_system:
+            out.insert(0, {"role": "user", "content": pending_system})
+        return out
+
+    # -- rendering and encoding --------------------------------------------------------------------
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
@@ -74,7 +147,8 @@ class ChatFormat:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(self, system: str, user: str) -> list[int]:
-        text = self.render([{"role": "system", "content": system}, {"role": "user", "content": self.clean(user)}],
+        text = self.render(self.normalize([{"role": "system", "content": system},
+                                           {"role": "user", "content": self.clean(user)}]),
                            add_generation_prompt=True)
         return self.encode(text)
 
@@ -88,17 +162,19 @@ class ChatFormat:
     def glue_ids(self, observation: str, ended_with_eos: bool) -> list[int]:
         """The ids after a generated turn: the rest of its closing, then the observation turn, then the next
         assistant header. If the turn was cut (no eos) the full closing, eos included, is appended."""
-        closing = self.closing
-        if ended_with_eos and self.eos_text and closing.startswith(self.eos_text):
-            closing = closing[len(self.eos_text):]
-        return self.encode(closing + self.obs_prefix + self.clean(observation) + self.obs_suffix)
+        text = self.obs_text_prefix + self.clean(observation)
+        return self.encode(self._rest_of_closing(ended_with_eos) + self.obs_prefix + text + self.obs_suffix)
 
     def closing_ids(self, ended_with_eos: bool) -> list[int]:
         """The ids that close the last generated turn of an episode (mask 0)."""
+        closing = self._rest_of_closing(ended_with_eos)
+        return self.encode(closing) if closing else []
+
+    def _rest_of_closing(self, ended_with_eos: bool) -> str:
         closing = self.closing
         if ended_with_eos and self.eos_text and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text):]
-        return self.encode(closing) if closing else []
+        return closing
 
     def decode_action(self, ids: list[int]) -> str:
         """The text of a generated turn, without its end-of-turn token."""
@@ -106,11 +182,60 @@ class ChatFormat:
             ids = ids[:-1]
         return self.tok.decode(ids, skip_special_tokens=False)
 
+    def encode_conversation(self, messages: list[dict[str, str]], train_from: int = 0) -> tuple[list[int], list[int]]:
+        """A whole conversation as ids and the agent mask, from the template's incremental rendering.
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """Whole-conversation encoding (for SFT/DPO data): ids and the assistant mask from the template."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    mask = list(out["assistant_masks"])
-    if not any(mask):
-        raise TemplateError("the chat template marked no assistant token ({% generation %} missing?)")
-    return list(out["input_ids"]), mask
+        Each assistant turn at index >= `train_from` (of `messages`) is masked 1 on its content and the token that
+        ends it, exactly the ids a rollout samples; everything else (system, user, observations, template glue,
+        and assistant turns before `train_from`, e.g. a failed attempt shown as context) is 0."""
+        # indices shift when a system turn is folded: map each normalized message to its source index
+        norm = self.normalize(messages)
+        shift = len(messages) - len(norm)
+        ids: list[int] = []
+        mask: list[int] = []
+        done = ""
+        for i, m in enumerate(norm):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(norm[:i], add_generation_prompt=True)
+            after = self.render(norm[: i + 1])
+            if not before.startswith(done) or not after.startswith(before):
+                raise TemplateError(f"message {i + shift}: the chat template re-renders earlier turns (prefix "
+                                    "property)" + WAY_OUT)
+            seg = after[len(before):]
+            if not seg.endswith(self.closing):
+                raise TemplateError(f"message {i + shift}: the assistant turn does not end with the template's "
+                                    f"closing {self.closing!r}" + WAY_OUT)
+            content = seg[: len(seg) - len(self.closing)]
+            trained = 1 if i + shift >= train_from else 0
+            for text, bit in ((before[len(done):], 0), (content, trained), (self.eos_text, trained),
+                              (self._rest_of_closing(True), 0)):
+                piece = self.encode(text) if text else []
+                ids += piece
+                mask += [bit] * len(piece)
+            done = after
+        rest = self.render(norm)[len(done):]
+        if rest:
+            piece = self.encode(rest)
+            ids += piece
+            mask += [0] * len(piece)
+        if not any(mask):
+            raise TemplateError("the conversation has no agent turn to train on")
+        return ids, mask
+
+
+def chat_format(tokenizer: Any) -> ChatFormat:
+    """The ChatFormat of a tokenizer, built once per tokenizer object (kept on it)."""
+    fmt = getattr(tokenizer, "_agentrl_format", None)
+    if fmt is None:
+        fmt = ChatFormat(tokenizer)
+        try:
+            tokenizer._agentrl_format = fmt
+        except AttributeError:  # pragma: no cover - a tokenizer that refuses attributes is simply not cached
+            pass
+    return fmt
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], train_from: int = 0) -> tuple[list[int], list[int]]:
+    """Whole-conversation encoding (SFT/DPO data, expert turns): ids and the agent mask (see `encode_conversation`)."""
+    return chat_format(tokenizer).encode_conversation(messages, train_from)

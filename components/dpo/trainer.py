@@ -47,25 +47,21 @@ class DPOResult:
 # Agent-token masks on top of TRL
 # ----------------------------------------------------------------------------------------------
 def tokenize_pair(tokenizer: Any, prompt: list[dict], chosen: list[dict], rejected: list[dict]) -> dict[str, list[int]]:
-    """prompt_ids + chosen/rejected ids and their agent masks (1 on the assistant's tokens only)."""
+    """prompt_ids + chosen/rejected ids and their agent masks (1 on the completion's assistant tokens only), from the
+    template's incremental rendering (`core.tokens`)."""
     from components.core.tokens import encode_messages
 
-    p = tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=True)["input_ids"]
-    out: dict[str, list[int]] = {}
-    sides = {}
-    for name, completion in (("chosen", chosen), ("rejected", rejected)):
-        ids, mask = encode_messages(tokenizer, prompt + completion)
-        sides[name] = (ids, mask)
-    # the completion starts where the prompt's rendering stops being a prefix of both sides
-    n = len(p)
-    for ids, _ in sides.values():
-        k = 0
-        while k < min(n, len(ids)) and ids[k] == p[k]:
-            k += 1
-        n = k
-    out["prompt_ids"] = p[:n]
+    sides = {name: encode_messages(tokenizer, prompt + completion, train_from=len(prompt))
+             for name, completion in (("chosen", chosen), ("rejected", rejected))}
+    # the completion starts where the two sides part, at the latest at the first agent token of either
+    (a, ma), (b, mb) = sides["chosen"], sides["rejected"]
+    n = min(ma.index(1), mb.index(1))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    out: dict[str, list[int]] = {"prompt_ids": a[:k]}
     for name, (ids, mask) in sides.items():
-        out[f"{name}_ids"], out[f"{name}_mask"] = ids[n:], mask[n:]
+        out[f"{name}_ids"], out[f"{name}_mask"] = ids[k:], mask[k:]
     return out
 
 

@@ -2,7 +2,8 @@
 
 1. Resolve the config (preset <- overrides) and validate it before anything heavy happens.
 2. Open the phase run (under the parent run; create the parent when there is none).
-3. Bring the base model in: build the embedded tiny model, or fetch a directory / s3:// URI (verified).
+3. Bring the base model in: build the embedded tiny model, or resolve a directory, an s3:// prefix, a .gguf
+   file or a named model (`core.sources`).
 4. Smoke-test it: load it offline through `from_pretrained`, apply the chat template, generate.
 5. Write the model and the resolved config to the outputs, store the model under the run's storage
    prefix, log metrics and artifacts.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.core import storage
-from components.core.config import PipelineConfig
+from components.core.config import ModelConfig, PipelineConfig
 from components.core.tiny import ensure_tiny_model
 from components.core.tracking import PhaseRun, setup_phase
 
@@ -45,42 +46,35 @@ def fetch_base_model(cfg: PipelineConfig, home: Path, corpus: str | None = None)
         if corpus:
             lines = [x for x in storage.read_text(corpus).splitlines() if x.strip()]
         return ensure_tiny_model(home / "models" / "tiny-base", cfg.model.tiny, corpus=lines, seed=cfg.run.seed)
-    if storage.is_s3(uri):
-        return storage.localize_dir(uri, home / "cache")
-    path = Path(uri)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.base_uri={uri!r}: no Hugging Face model directory (config.json) there")
-    return path
+    from components.core.policy import resolve_model_dir
+
+    return resolve_model_dir(uri, home / "cache")  # a directory, any s3:// prefix, a .gguf file, a named model
 
 
-def smoke_test(model_dir: Path, max_new_tokens: int = 16) -> dict[str, float]:
-    """Load offline like any production model and generate: the model and its template work."""
+def smoke_test(model_dir: Path, model_cfg: ModelConfig | None = None, max_new_tokens: int = 16) -> dict[str, float]:
+    """Load offline like any production model (its chat template checked for agent episodes) and generate."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    if not tok.chat_template or "generation" not in tok.chat_template:
-        raise ValueError(
-            f"{model_dir}: the tokenizer's chat template does not mark assistant turns with "
-            "{% generation %}; agent-token masks need it"
-        )
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
-    enc = tok.apply_chat_template(
-        [{"role": "user", "content": "Move the mails from alice to Finance."}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
-    )
+    from components.core.policy import load_policy
+    from components.core.tokens import chat_format
+
+    pol = load_policy(str(model_dir), model_cfg=model_cfg)
+    tok, model = pol.tokenizer, pol.model
+    fmt = chat_format(tok)
+    ids = torch.tensor([fmt.prompt_ids("You are an assistant.", "Move the mails from alice to Finance.")])
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tok.pad_token_id)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     dt = time.perf_counter() - t0
-    new = out.shape[1] - enc["input_ids"].shape[1]
+    new = out.shape[1] - ids.shape[1]
     return {
         "base_parameters": float(sum(p.numel() for p in model.parameters())),
         "smoke_new_tokens": float(new),
         "smoke_tokens_per_s": new / max(dt, 1e-9),
         "vocab_size": float(len(tok)),
+        "observation_role_tool": float(fmt.obs_role == "tool"),
+        "template_system_role": float(fmt.system_role),
     }
 
 
@@ -102,7 +96,7 @@ def run(
         t0 = time.perf_counter()
         model_dir = fetch_base_model(cfg, home, corpus)
         metrics = {"fetch_seconds": time.perf_counter() - t0}
-        metrics.update(smoke_test(model_dir))
+        metrics.update(smoke_test(model_dir, cfg.model))
         tracker.log_metrics(metrics, step=0)
 
         model_uri = tracker.storage_uri(storage_root, "base_model")

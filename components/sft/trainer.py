@@ -2,9 +2,10 @@
 
 1. Resolve the config; open the phase run.
 2. Read expert trajectories (sandbox demos, or any Trajectory JSONL file/dir/S3 URI) and turn them into
-   conversational prompt/completion examples: the loss falls on the agent's own turns only (TRL's
-   assistant-only loss over the template's {% generation %} marks; system, user and observation
-   tokens are masked).
+   conversational prompt/completion examples: the loss falls on the agent's own turns only. Each
+   example is tokenised with the masks of `core.tokens` (the template's incremental rendering: any stock
+   instruct template, no {% generation %} marker), the same ids a rollout samples; system, user and
+   observation tokens, and assistant turns in the prompt (a failed attempt shown as context), are masked.
 3. Optionally add error-example supervision (STaR-style rationalisation): a failed attempt and its
    error observation in the prompt, the corrected turns as the completion — the model learns to
    recover, never to make the mistake.
@@ -30,7 +31,7 @@ from typing import Any
 from components.core import storage
 from components.core.checkpoint import TrainerCheckpoints, phase_root, train_or_resume
 from components.core.config import SFTConfig
-from components.core.policy import Policy, add_lora, load_policy, save_policy
+from components.core.policy import Policy, add_lora, load_policy, save_policy, save_tokenizer
 from components.core.schema import ModelCard, Trajectory, read_jsonl
 from components.core.tracking import PhaseRun, phase_run, rank, setup_phase
 
@@ -75,13 +76,23 @@ def load_demos(uri: str) -> list[Trajectory]:
     return trajs
 
 
-def build_dataset(examples: list[dict[str, Any]], seed: int):
+def tokenize_example(tokenizer: Any, example: dict[str, Any]) -> dict[str, list[int]]:
+    """input_ids and assistant_masks (1 = a token of an assistant turn of the completion)."""
+    from components.core.tokens import encode_messages
+
+    prompt, completion = example["prompt"], example["completion"]
+    ids, mask = encode_messages(tokenizer, prompt + completion, train_from=len(prompt))
+    return {"input_ids": ids, "assistant_masks": mask}
+
+
+def build_dataset(examples: list[dict[str, Any]], seed: int, tokenizer: Any):
+    """Shuffled, pre-tokenised examples: TRL builds its labels from `assistant_masks` (-100 elsewhere)."""
     from datasets import Dataset
 
     rng = random.Random(seed)
     examples = list(examples)
     rng.shuffle(examples)
-    return Dataset.from_list(examples)
+    return Dataset.from_list([tokenize_example(tokenizer, ex) for ex in examples])
 
 
 def deepspeed_config(name: str | None, bf16: bool) -> dict[str, Any] | str | None:
@@ -208,14 +219,14 @@ def train_sft(
     from trl import SFTConfig as TRLSFTConfig
     from trl import SFTTrainer
 
-    dataset = build_dataset(examples, seed)
+    dataset = build_dataset(examples, seed, policy.tokenizer)
     args = TRLSFTConfig(
         output_dir=str(out_dir), num_train_epochs=sft.epochs, max_steps=sft.max_steps,
         per_device_train_batch_size=sft.batch_size, gradient_accumulation_steps=sft.gradient_accumulation_steps,
         learning_rate=sft.learning_rate, warmup_steps=sft.warmup_ratio,  # a float < 1 is a ratio
         weight_decay=sft.weight_decay,
         max_grad_norm=sft.max_grad_norm, lr_scheduler_type="cosine", logging_steps=sft.logging_steps,
-        max_length=sft.max_seq_len, assistant_only_loss=True, completion_only_loss=True, bf16=sft.bf16,
+        max_length=sft.max_seq_len, bf16=sft.bf16,
         gradient_checkpointing=sft.gradient_checkpointing, deepspeed=deepspeed_config(sft.deepspeed, sft.bf16),
         use_cpu=use_cpu, report_to="none", seed=seed, data_seed=seed,
         dataloader_num_workers=0, disable_tqdm=False, train_sampling_strategy="group_by_length",  # less padding
@@ -301,7 +312,7 @@ def run(
         tracker.log_metrics({"demos": len(trajs), "error_examples": n_error}, step=0)
 
         policy = load_policy(base_uri, dtype="bfloat16" if cfg.sft.bf16 else "float32", trainable=True,
-                             cache=home / "cache")
+                             cache=home / "cache", model_cfg=cfg.model)
         if cfg.model.lora.enabled:
             policy = add_lora(policy, cfg.model.lora)
         if cfg.sft.torch_threads and cfg.run.device != "cuda":
@@ -320,7 +331,7 @@ def run(
         card = ModelCard(base_model=base_uri, phase=PHASE, parent_run_id=tracker.parent_run_id, run_id=tracker.run_id,
                          extra={"base_uri": base_uri, "demos": data_uri, "lora": cfg.model.lora.enabled})
         if distributed:  # the weights were written collectively; add the tokenizer and the card
-            policy.tokenizer.save_pretrained(out)
+            save_tokenizer(policy.tokenizer, out)
             card.kind = "lora" if policy.is_lora else "full"
             (out / "agentrl.json").write_text(json.dumps(_card_record(card), indent=1))
         else:

@@ -151,7 +151,7 @@ def test_chains_carry_the_skill_library_within_a_sample_only(policy, sandbox):
     assert len({t.chain_id for t in trajs}) == 3
 
 
-def test_missing_model_tokenizer_or_markers_are_clear_errors(tiny, tmp_path):
+def test_missing_model_tokenizer_or_unusable_template_are_clear_errors(tiny, tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_policy(str(tmp_path / "nope"))
     no_tok = tmp_path / "no_tok"
@@ -164,7 +164,7 @@ def test_missing_model_tokenizer_or_markers_are_clear_errors(tiny, tmp_path):
     shutil.copytree(tiny, plain)
     (plain / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-    with pytest.raises(ModelLoadError, match="does not mark assistant turns"):
+    with pytest.raises(ModelLoadError, match="does not start with a special token"):  # no way to end a turn
         load_policy(str(plain))
     with pytest.raises(ModelLoadError, match="no config.json"):
         (tmp_path / "empty").mkdir()
@@ -293,9 +293,38 @@ def test_policy_from_s3_is_verified_and_cached(tiny, bucket, tmp_path):
     assert len(cached) == 1
     load_policy(uri, cache=cache)  # second load: from the cache
     assert list(cache.rglob("model.safetensors")) == cached
-    storage.write_text(f"s3://{bucket}/models/broken/config.json", "{}")  # no manifest: an unfinished upload
-    with pytest.raises(ModelLoadError, match="upload did not finish"):
+    storage.write_text(f"s3://{bucket}/models/broken/config.json", "{}")  # no manifest, no weights: incomplete
+    with pytest.raises(ModelLoadError, match="not a complete Hugging Face model directory.*model.safetensors"):
         load_policy(f"s3://{bucket}/models/broken", cache=cache)
+
+
+def test_model_uploaded_by_plain_boto3_loads_without_a_manifest(tiny, policy, bucket, tmp_path):
+    """`aws s3 sync` of a model (no agentrl manifest) loads; its completeness comes from the listing."""
+    import torch
+
+    from components.core import storage
+
+    client = storage.s3_client()
+    prefix = "synced/tiny"
+    for f in sorted(tiny.iterdir()):
+        if f.is_file() and f.name not in ("_MANIFEST.json", "agentrl.json"):
+            client.upload_file(str(f), bucket, f"{prefix}/{f.name}")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/", Body=b"")  # a folder placeholder, as some tools write
+    cache = tmp_path / "cache"
+    pol = load_policy(f"s3://{bucket}/{prefix}", cache=cache)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(pol.model(input_ids=ids).logits, policy.model(input_ids=ids).logits)
+    assert not list(cache.rglob("_MANIFEST.json"))
+    # a shard the index names but the listing lacks is refused by name
+    client.put_object(Bucket=bucket, Key="sharded/config.json", Body=b"{}")
+    client.put_object(Bucket=bucket, Key="sharded/tokenizer.json", Body=b"{}")
+    client.put_object(Bucket=bucket, Key="sharded/model.safetensors.index.json",
+                      Body=json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                      "b": "model-00002-of-00002.safetensors"}}).encode())
+    client.put_object(Bucket=bucket, Key="sharded/model-00001-of-00002.safetensors", Body=b"x")
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        load_policy(f"s3://{bucket}/sharded", cache=cache)
 
 
 def test_hf_backend_serves_a_lora_adapter(tiny, tmp_path):

@@ -152,7 +152,7 @@ def test_agent_mask_covers_agent_tokens_only(tokenizer):
     agent = tokenizer.decode([i for i, m in zip(ex["chosen_ids"], ex["chosen_mask"], strict=True) if m])
     other = tokenizer.decode([i for i, m in zip(ex["chosen_ids"], ex["chosen_mask"], strict=True) if not m])
     assert GOOD[0] in agent and GOOD[2] in agent and "OBSERVATION" not in agent and "OBSERVATION" in other
-    assert tokenizer.decode(ex["prompt_ids"]).endswith("Do it.<|end|>\n")
+    assert tokenizer.decode(ex["prompt_ids"]).endswith("Do it.<|end|>\n<|assistant|>\n")  # the header is context
     _, Collator = _trainer_classes()
     batch = Collator(pad_token_id=tokenizer.pad_token_id)([ex, ex])
     row = batch["input_ids"][0][batch["completion_mask"][0].bool()].tolist()

@@ -11,7 +11,7 @@ from components.sandbox.env import WorkspaceEnv
 from components.sandbox.tasks import generate_tasks
 from components.sandbox.world import generate_world
 from components.sft.errors import error_examples, mistakes
-from components.sft.trainer import demo_example, train_sft
+from components.sft.trainer import build_dataset, demo_example, train_sft
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,14 @@ def test_loss_falls_only_on_the_agents_tokens(setup, tmp_path):
     _, _, demos, model = setup
     pol = load_policy(str(model), trainable=True)
     ex = [demo_example(d) for d in demos[:4]]
-    from datasets import Dataset
-
-    trainer = SFTTrainer(model=pol.model, processing_class=pol.tokenizer, train_dataset=Dataset.from_list(ex),
+    # the phase's own dataset (masks from the template's incremental rendering) through TRL's label building
+    trainer = SFTTrainer(model=pol.model, processing_class=pol.tokenizer, train_dataset=build_dataset(ex, 0, pol.tokenizer),
                          args=TRLConfig(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to="none",
-                                        assistant_only_loss=True, completion_only_loss=True, max_length=4096))
+                                        max_length=4096))
     tok = pol.tokenizer
-    for row, demo in zip(trainer.train_dataset, demos[:4], strict=True):
+    order = {d.turns[1].text: d for d in demos[:4]}
+    for row in trainer.train_dataset:
+        demo = next(d for text, d in order.items() if text in tok.decode(row["input_ids"]))
         ids, labels = row["input_ids"], row["labels"]
         trained = tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab != -100])
         expected = "".join(t.text + tok.eos_token for t in demo.turns if t.role == "assistant")

@@ -47,8 +47,10 @@ setup: $(STAMP) $(VLLM_STAMP)
 # kfp.local runs one phase at a time, so rollouts and evaluations get both cores (greedy evaluation of the
 # hard suite: 27 s on 2 threads, 44 s on 1); ARGS='--set run.torch_threads=1' gives one back.
 RUN_THREADS ?= 2
+# PRESET=small runs it on SmolLM2-135M-Instruct (a real pretrained LM; see the README for its time per phase).
+PRESET ?= tiny
 run: $(STAMP)
-	$(VENV)/bin/agentrl run --set run.torch_threads=$(RUN_THREADS) $(ARGS)
+	$(VENV)/bin/agentrl run --preset $(PRESET) --set run.torch_threads=$(RUN_THREADS) $(ARGS)
 
 ## Every test, slow ones included (what CI runs): the main suite, then the vLLM backend's in its environment.
 test: $(STAMP) $(VLLM_STAMP)

@@ -10,11 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from components.core.config import ConfigError, load_config
+from components.core.config import PRESETS, ConfigError, load_config
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=["tiny", "h100"], default=None, help="config preset (default: tiny)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="config preset: tiny (default, the embedded toy), small (SmolLM2-135M-Instruct), h100")
     p.add_argument("--config", "-c", action="append", default=[], metavar="FILE", help="YAML config file(s)")
     p.add_argument("--set", "-s", dest="set_pairs", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field, e.g. --set grpo.group_size=16")

@@ -56,6 +56,16 @@ class Sequence:
         return len(self.ids)
 
 
+def special_strings(tokenizer: Any) -> list[str]:
+    """The tokenizer's special tokens as text: the named ones and every added token marked special (a chat
+    template's turn markers, e.g. `<|eot_id|>`, are often only the latter)."""
+    out = {t for t in getattr(tokenizer, "all_special_tokens", []) if t}
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False) and added.content:
+            out.add(added.content)
+    return sorted(out, key=len, reverse=True)
+
+
 class ChatFormat:
     """The incremental encoding of one tokenizer's chat template for agent episodes.
 
@@ -81,7 +91,7 @@ class ChatFormat:
                                 "'user' (or 'auto')")
         self.obs_role = "tool" if (role == "tool" or (role == "auto" and tool_ok)) else "user"
         self.obs_text_prefix = prefix if self.obs_role == "user" else ""
-        self.specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+        self.specials = special_strings(tokenizer)
         base = self.normalize([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         with_a = base + [{"role": "assistant", "content": SENT_A}]
         with_o = with_a + self.normalize([{"role": "tool", "content": SENT_O}])
@@ -162,8 +172,9 @@ class ChatFormat:
     def glue_ids(self, observation: str, ended_with_eos: bool) -> list[int]:
         """The ids after a generated turn: the rest of its closing, then the observation turn, then the next
         assistant header. If the turn was cut (no eos) the full closing, eos included, is appended."""
-        text = self.obs_text_prefix + self.clean(observation)
-        return self.encode(self._rest_of_closing(ended_with_eos) + self.obs_prefix + text + self.obs_suffix)
+        # obs_prefix already holds the observation prefix of a `user`-role observation (derived from normalize)
+        return self.encode(self._rest_of_closing(ended_with_eos) + self.obs_prefix + self.clean(observation)
+                           + self.obs_suffix)
 
     def closing_ids(self, ended_with_eos: bool) -> list[int]:
         """The ids that close the last generated turn of an episode (mask 0)."""

@@ -132,6 +132,36 @@ def _print_table(report: dict) -> None:
     console.print(f"MLflow: {report['tracking_uri']}  (agentrl ui)")
 
 
+def cmd_model_import(args) -> int:
+    """Resolve a model from any source, check its tokenizer fits agent episodes, and upload it to storage with a
+    manifest (written last), ready to be a cluster run's `base_model_uri`."""
+    import shutil
+    import tempfile
+
+    from components.core import storage
+    from components.core.config import ModelConfig
+    from components.core.policy import ModelLoadError, load_tokenizer, resolve_model_dir, save_tokenizer
+    from components.core.sources import COMPLETE
+
+    home = Path(os.environ.get("AGENTRL_HOME", ".agentrl"))
+    try:
+        chat = ModelConfig(chat_template=args.chat_template, observation_role=args.observation_role)
+        src = resolve_model_dir(args.src, home / "cache")
+        tok = load_tokenizer(src, chat)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"agentrl model import: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(dir=home if home.exists() else None) as tmp:
+        staged = Path(tmp) / "model"
+        shutil.copytree(src, staged, ignore=shutil.ignore_patterns(COMPLETE, storage.MANIFEST))
+        save_tokenizer(tok, staged)  # the chat template and observation role travel with the weights
+        manifest = storage.put_dir(staged, args.dest)
+    size = sum(e["size"] for e in manifest["files"]) / 2**20
+    print(f"imported {args.src} -> {args.dest}: {len(manifest['files'])} files, {size:.1f} MiB, observation role "
+          f"{tok.agentrl_chat['observation_role']!r}; use it as model.base_uri={args.dest}")
+    return 0
+
+
 PIPELINES = ("agent_rl", "retrain")
 
 
@@ -368,6 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracking-uri", default=None)
     p.add_argument("--json", default=None, help="also write the comparison as JSON here")
     p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("model", help="models: import one into storage for the cluster")
+    model_sub = p.add_subparsers(dest="model_cmd", required=True)
+    p = model_sub.add_parser("import", help="upload a model (directory, s3:// prefix, .gguf, or a named model such as "
+                             "smollm2-135m-instruct) to a path or s3:// URI, with its manifest")
+    p.add_argument("src")
+    p.add_argument("dest")
+    p.add_argument("--chat-template", default=None, help="replace the chat template: 'chatml' or a Jinja file")
+    p.add_argument("--observation-role", choices=("auto", "tool", "user"), default="auto")
+    p.set_defaults(fn=cmd_model_import)
     p = sub.add_parser("ui", help="the MLflow UI on the local store")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)

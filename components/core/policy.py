@@ -20,8 +20,8 @@ from typing import Any
 
 from components.core import storage
 from components.core.config import LoraConfig, ModelConfig
-from components.core.sources import ModelSourceError, resolve_model_source
 from components.core.schema import ModelCard, from_record, to_record
+from components.core.sources import ModelSourceError, resolve_model_source
 
 __all__ = ["CHAT_TEMPLATES", "ModelLoadError", "Policy", "add_lora", "load_policy", "prepare_tokenizer", "read_card",
            "resolve_model_dir", "save_policy", "save_tokenizer"]

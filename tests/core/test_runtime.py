@@ -346,3 +346,22 @@ def test_hf_backend_serves_a_lora_adapter(tiny, tmp_path):
     ref = lora.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                               eos_token_id=pol.tokenizer.eos_token_id, pad_token_id=pol.tokenizer.pad_token_id)
     assert got.ids == ref[0, len(prompt):].tolist()[: len(got.ids)]
+
+
+def test_model_import_uploads_a_checked_model_with_its_manifest(tiny, policy, bucket, tmp_path, monkeypatch, capsys):
+    import torch
+
+    from components.core import storage
+    from pipelines.cli import main
+
+    monkeypatch.setenv("AGENTRL_HOME", str(tmp_path / "home"))
+    dest = f"s3://{bucket}/models/imported"
+    assert main(["model", "import", str(tiny), dest]) == 0
+    assert "model.base_uri=" + dest in capsys.readouterr().out
+    assert storage.is_complete(dest) and storage.exists(storage.join(dest, "agentrl_chat.json"))
+    back = load_policy(dest, cache=tmp_path / "cache")
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(back.model(input_ids=ids).logits, policy.model(input_ids=ids).logits)
+    assert main(["model", "import", str(tmp_path / "nope"), dest]) == 2
+    assert "does not exist" in capsys.readouterr().err

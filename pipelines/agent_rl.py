@@ -52,9 +52,10 @@ def build(plan: dict[str, Placement]):
         """agentrl end to end.
 
         Args:
-            base_model_uri: the model to start from: a Hugging Face directory on the node or an s3:// URI;
+            base_model_uri: the model to start from: a Hugging Face directory on the node, an s3:// prefix (any
+                tool's upload), a .gguf file or 'smollm2-135m-instruct';
                 empty = the preset's (the tiny preset builds its own model locally).
-            preset: 'tiny' (CPU, minutes) or 'h100' (cluster defaults).
+            preset: 'tiny' (CPU, minutes), 'small' (SmolLM2-135M-Instruct, CPU or one GPU) or 'h100' (cluster defaults).
             overrides: JSON object of config overrides, e.g. {"grpo": {"group_size": 16}}.
             experiment: MLflow experiment name.
             parent_run_id: an MLflow run to nest under; empty = create one (or use the KFP MLflow plugin's).

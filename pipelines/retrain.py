@@ -30,7 +30,7 @@ def build(plan: dict[str, Placement]):
 
         Args:
             ab_logs_uri: the new A/B deployment logs (ABRecord JSONL: a file, directory or s3:// prefix).
-            preset: 'tiny' (CPU, minutes) or 'h100' (cluster defaults).
+            preset: 'tiny' (CPU, minutes), 'small' (SmolLM2-135M-Instruct, CPU or one GPU) or 'h100' (cluster defaults).
             overrides: JSON object of config overrides, e.g. {"dpo": {"beta": 0.2}}.
             parent_run_id: an MLflow run to nest under; empty = create one (or use the KFP MLflow plugin's).
             grpo_refresh: run a short GRPO phase on the champion before DPO (size it with overrides, e.g.

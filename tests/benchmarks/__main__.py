@@ -18,7 +18,7 @@ def main() -> int:
 
     from components.core.tiny import set_torch_threads
     from components.core.tracking import local_tracking_uri
-    from tests.benchmarks import core, grpo, runtime, sandbox
+    from tests.benchmarks import core, grpo, real_model, runtime, sandbox
     from tests.helpers.servers import MotoServer
 
     set_torch_threads(1)
@@ -42,6 +42,7 @@ def main() -> int:
                 ("sandbox", lambda: sandbox.bench_sandbox(results)),
                 ("rollout", lambda: runtime.bench_rollout(results)),
                 ("grpo", lambda: grpo.bench_grpo(results)),
+                ("smollm2", lambda: real_model.bench_smollm2(results)),
             ]
             only = set(sys.argv[1:])
             for name, fn in steps:

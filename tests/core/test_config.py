@@ -118,3 +118,14 @@ def test_parse_set_nested_dict_fields():
 def test_presets_are_valid():
     for name in PRESETS:
         load_config(preset=name, set_pairs=[] if name == "tiny" else ["model.base_uri=/m"])
+
+
+def test_small_preset_is_smollm2_full_fine_tune_and_validates():
+    cfg = load_config(preset="small")
+    assert cfg.preset == "small" and cfg.model.base_uri == "smollm2-135m-instruct" and not cfg.model.lora.enabled
+    assert cfg.model.observation_role == "auto" and cfg.model.chat_template is None
+    # the small preset keeps the held-out suites small enough for a CPU run, the rest of the world as tiny's
+    assert cfg.sandbox.suite_sizes == {"easy": 20, "hard": 20, "safety": 10, "robustness": 10}
+    assert cfg.sandbox.model_dump(exclude={"suite_sizes"}) == load_config().sandbox.model_dump(exclude={"suite_sizes"})
+    with pytest.raises(ConfigError, match="model.observation_role"):
+        load_config(preset="small", set_pairs=["model.observation_role=system"])

@@ -15,7 +15,7 @@ from components.core.schema import ModelCard, Trajectory, read_jsonl, write_json
 from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat, TemplateError
 from components.sandbox.env import WorkspaceEnv
-from tests.helpers.runtime import make_sandbox, tiny_on_sandbox
+from tests.helpers.runtime import episode_ids, make_sandbox, tiny_on_sandbox
 from tests.helpers.scripted import ScriptedBackend
 
 set_torch_threads(1)
@@ -37,15 +37,6 @@ def policy(tiny):
     return load_policy(str(tiny))
 
 
-def full_ids(traj: Trajectory) -> tuple[list[int], list[int], list[float]]:
-    ids, mask, lps = [], [], []
-    for t in traj.turns:
-        ids += t.tokens or []
-        mask += t.mask or []
-        lps += t.logprobs if t.role == "assistant" else [0.0] * len(t.tokens or [])
-    return ids, mask, lps
-
-
 @pytest.mark.slow
 def test_token_exact_logprobs_and_masks_over_100_rollouts(policy, sandbox):
     cfg, world, suites = sandbox
@@ -57,7 +48,7 @@ def test_token_exact_logprobs_and_masks_over_100_rollouts(policy, sandbox):
     assert sum(t.steps >= 2 for t in trajs) >= 90  # several turns
     worst = 0.0
     for tr in trajs:
-        ids, mask, lps = full_ids(tr)
+        ids, mask, lps = episode_ids(tr)
         rescored = score_logprobs(policy.model, ids)
         for i, m in enumerate(mask):
             if m:
@@ -78,7 +69,7 @@ def test_incremental_encoding_renders_like_the_template(policy, sandbox):
     backend = HFBackend(policy.model, policy.tokenizer)
     tr = rollout(backend, lambda: WorkspaceEnv(world, cfg), fmt, suites["easy"][:1],
                  RolloutSettings(max_turns=3, max_new_tokens=16, progress=False))[0]
-    ids, _, _ = full_ids(tr)
+    ids, _, _ = episode_ids(tr)
     msgs = [{"role": t.role, "content": t.text} for t in tr.turns]
     rendered = policy.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     decoded = policy.tokenizer.decode(ids, skip_special_tokens=False)

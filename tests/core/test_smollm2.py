@@ -14,7 +14,7 @@ from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat
 from components.sandbox import expert
 from components.sandbox.env import WorkspaceEnv
-from tests.helpers.runtime import make_sandbox
+from tests.helpers.runtime import episode_ids, make_sandbox
 
 set_torch_threads(1)  # two threads ran several times slower whenever another process held the other core
 
@@ -52,11 +52,7 @@ def test_two_turn_rollout_is_token_exact(smol, sandbox):
                     RolloutSettings(group_size=2, max_turns=2, max_new_tokens=12, temperature=1.0, progress=False))
     assert len(trajs) == 4
     for tr in trajs:
-        ids, mask, lps = [], [], []
-        for t in tr.turns:
-            ids += t.tokens or []
-            mask += t.mask or []
-            lps += t.logprobs if t.role == "assistant" else [0.0] * len(t.tokens or [])
+        ids, mask, lps = episode_ids(tr)
         assert tr.steps == 2  # zero-shot it answers in prose: a format error, then a second turn
         assert sum(mask) == tr.generated_tokens > 0
         rescored = score_logprobs(smol.model, ids)

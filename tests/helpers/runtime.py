@@ -13,6 +13,16 @@ from components.sandbox.tasks import generate_tasks
 from components.sandbox.world import generate_world
 
 
+def episode_ids(traj) -> tuple[list[int], list[int], list[float]]:
+    """An episode's whole token sequence: ids, agent mask, and the sampled logprobs (0.0 off the agent's tokens)."""
+    ids, mask, lps = [], [], []
+    for t in traj.turns:
+        ids += t.tokens or []
+        mask += t.mask or []
+        lps += t.logprobs if t.role == "assistant" else [0.0] * len(t.tokens or [])
+    return ids, mask, lps
+
+
 def make_sandbox(cfg: SandboxConfig | None = None):
     cfg = cfg or SandboxConfig()
     world = generate_world(cfg)

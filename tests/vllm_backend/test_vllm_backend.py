@@ -11,7 +11,7 @@ from components.core.rollout import RolloutSettings, rollout
 from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat
 from components.sandbox.env import WorkspaceEnv
-from tests.helpers.runtime import make_sandbox, tiny_on_sandbox
+from tests.helpers.runtime import episode_ids, make_sandbox, tiny_on_sandbox
 
 set_torch_threads(1)
 
@@ -50,11 +50,8 @@ def test_token_exact_multi_turn_rollouts(backend, tiny, sandbox):
     worst = 0.0
     assert sum(t.steps >= 2 for t in trajs) >= 15
     for tr in trajs:
-        ids, mask, lps = [], [], []
+        ids, mask, lps = episode_ids(tr)
         for t in tr.turns:
-            ids += t.tokens or []
-            mask += t.mask or []
-            lps += t.logprobs if t.role == "assistant" else [0.0] * len(t.tokens or [])
             if t.role != "assistant":
                 assert not any(t.mask or [])
         rescored = score_logprobs(model, ids)

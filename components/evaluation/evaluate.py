@@ -192,8 +192,15 @@ def evaluate_policy(policy, cfg: PipelineConfig, sandbox: Sandbox, suites: Seque
 
 
 def flat(metrics: dict[str, dict[str, dict[str, Any]]], prefix: str = "") -> dict[str, float]:
-    """{'easy': {'tgc': {'value': .5}}} -> {'easy/tgc': .5}."""
-    return {f"{prefix}{s}/{m}": v["value"] for s, ms in metrics.items() for m, v in ms.items()}
+    """{'easy': {'tgc': {'value': .5, 'ci': [.3, .7]}}} -> {'easy/tgc': .5, 'easy/tgc_ci_lo': .3, 'easy/tgc_ci_hi': .7}
+    (the bootstrap interval kept for TGC, the number every phase is judged by)."""
+    out = {}
+    for s, ms in metrics.items():
+        for m, v in ms.items():
+            out[f"{prefix}{s}/{m}"] = v["value"]
+            if m == "tgc" and v.get("ci"):
+                out[f"{prefix}{s}/tgc_ci_lo"], out[f"{prefix}{s}/tgc_ci_hi"] = v["ci"]
+    return out
 
 
 def world_beside(tasks_dir: str | None, world: str | None) -> str | None:

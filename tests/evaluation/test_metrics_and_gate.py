@@ -4,7 +4,7 @@ import pytest
 
 from components.core.config import GateConfig
 from components.core.schema import RewardBreakdown, Trajectory, Turn, Verdict
-from components.evaluation.evaluate import suite_metrics
+from components.evaluation.evaluate import flat, suite_metrics
 from components.evaluation.gate import decide, deltas
 
 
@@ -33,6 +33,10 @@ def test_suite_metrics_values_and_intervals():
         assert v["ci"][0] <= v["value"] <= v["ci"][1]
     assert m["tgc"]["ci"][0] < m["tgc"]["ci"][1]
     assert suite_metrics(trajs, n_boot=200, seed=0) == suite_metrics(trajs, n_boot=200, seed=0)
+    # what phases log as held-out metrics keeps TGC's interval
+    f = flat({"hard": m})
+    assert (f["hard/tgc"], [f["hard/tgc_ci_lo"], f["hard/tgc_ci_hi"]]) == (m["tgc"]["value"], m["tgc"]["ci"])
+    assert "hard/sgc_ci_lo" not in f
 
 
 def M(**suites):

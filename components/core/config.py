@@ -579,7 +579,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": {
         "run": {"torch_threads": 2},
         "model": {"base_uri": "smollm2-135m-instruct"},
-        "generation": {"batch_size": 32, "max_new_tokens": 96, "max_context_tokens": 2048},
+        # 1280 tokens hold the longest demo (1,161 with this tokenizer); a failing episode that runs on to
+        # max_turns re-prefills its whole context every turn on `hf` (no cross-turn KV reuse yet), which made a
+        # 40-task evaluation at 2048 take over 30 minutes on 2 cores
+        "generation": {"batch_size": 32, "max_new_tokens": 96, "max_context_tokens": 1280},
         "sandbox": {"suite_sizes": {"easy": 20, "hard": 20, "safety": 10, "robustness": 10}},
         "sft": {"epochs": 1.0, "learning_rate": 1e-4, "batch_size": 4, "max_seq_len": 1280, "warmup_ratio": 0.03,
                 "max_minutes": 20.0, "checkpoint_every": 100, "eval_suites": ["easy", "hard"], "logging_steps": 2},

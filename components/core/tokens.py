@@ -24,7 +24,6 @@ SENT_A = "\u2063AGENTRL_ASSISTANT\u2063"
 SENT_O = "\u2063AGENTRL_OBSERVATION\u2063"
 SENT_S = "\u2063AGENTRL_SYSTEM\u2063"
 OBSERVATION_PREFIX = "Observation:\n"  # before an observation sent in the `user` role (templates without `tool`)
-AGENT_ROLES = ("assistant",)
 PLAIN_ROLES = ("system", "user", "assistant")
 WAY_OUT = ("; set model.chat_template to a Jinja file or a built-in ('chatml') whose rendering of a conversation "
            "only appends to the rendering of its beginning")

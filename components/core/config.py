@@ -190,6 +190,8 @@ class GenerationConfig(_Section):
     max_new_tokens: int = Field(96, ge=1, le=32768, description="per agent turn")
     max_context_tokens: int = Field(2048, ge=64, le=1_048_576)
     batch_size: int = Field(128, ge=1, le=4096, description="episodes generated together (live slots)")
+    kv_reuse: bool = Field(True, description="hf backend: keep each episode's KV cache between its turns, so a turn "
+                           "prefills only its new tokens (memory: one cache per live episode)")
     vllm: VllmConfig = Field(default_factory=VllmConfig)
 
 

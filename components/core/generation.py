@@ -1,6 +1,6 @@
 """Generation backends: batched sampling that returns token ids and their log-probabilities.
 
-`hf` runs transformers' `generate` (KV cache, left padding, CPU or GPU); `vllm` runs `vllm.LLM`
+`hf` runs a transformers model (left padding, CPU or GPU; an episode's KV cache carried across its turns); `vllm` runs `vllm.LLM`
 (prefix caching, LoRA through `LoRARequest`, full-weight reload between RL steps). Both take prompts as
 token ids (token-in) and return the sampled ids (token-out) with the model's log-probability of each
 sampled token under the raw logits (temperature 1, no truncation): the quantity a policy-gradient
@@ -41,7 +41,12 @@ class GenOutput:
 class GenerationBackend(Protocol):
     eos_id: int
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenOutput]: ...
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 sessions: list[Any] | None = None) -> list[GenOutput]:
+        """`sessions[i]`: the episode prompt i continues, so its earlier turns need not be prefilled again."""
+
+    def end_sessions(self, keys: list[Any] | None = None) -> None:
+        """These episodes are over (all when None): what was kept for them can go."""
 
     def update_weights(self, source: Any) -> None:
         """New full weights between RL steps: a state dict, a model, or a saved model directory."""
@@ -62,21 +67,44 @@ def score_logprobs(model: Any, ids: list[int], device: str = "cpu") -> list[floa
 
 
 class HFBackend:
-    """transformers generate, batched with left padding; the model object can be the trainer's own."""
+    """Batched sampling on a transformers model (left padding; the model object can be the trainer's own).
 
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 32, device: str = "cpu") -> None:
+    Written by hand rather than through `model.generate`: an episode's KV cache is carried from one agent turn to
+    the next (`sessions`), so a turn prefills only what is new since the last one (the previous turn's closing,
+    the observation, the next header) instead of the whole conversation (O(T) prefill per episode, not O(T^2)).
+    `generate` offers no way to batch caches of different lengths. Sampling is transformers' own (its temperature
+    and top-p warpers, one `multinomial` per step), and a row that finishes is fed padding like `generate` does.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 32, device: str = "cpu",
+                 kv_reuse: bool = True) -> None:
         self.model = model
         self.tok = tokenizer
         self.batch_size = batch_size
         self.device = device
         self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.kv_reuse = kv_reuse
+        self._sessions: dict[Any, _Cached] = {}
+        self.prefilled = 0  # tokens run through the model as prompt (what reuse saves), for benchmarks and tests
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenOutput]:
+    # -- sessions ---------------------------------------------------------------------------------------------
+    def end_sessions(self, keys: list[Any] | None = None) -> None:
+        """Forget the caches of these sessions (all when None): an episode that finished, or a rollout's end."""
+        if keys is None:
+            self._sessions.clear()
+        for k in keys or []:
+            self._sessions.pop(k, None)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 sessions: list[Any] | None = None) -> list[GenOutput]:
+        """`sessions[i]` names the episode prompt i belongs to: its cache from an earlier call is reused where the
+        earlier tokens are a prefix of this prompt, and kept for the next call (with `kv_reuse`)."""
         import torch
 
         if params.seed is not None:
             torch.manual_seed(params.seed)
+        keys = list(sessions) if sessions is not None and self.kv_reuse else [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
         out: list[GenOutput | None] = [None] * len(prompts)
         was_training = self.model.training
@@ -84,46 +112,96 @@ class HFBackend:
         try:
             for start in range(0, len(order), self.batch_size):
                 idx = order[start : start + self.batch_size]
-                for i, g in zip(idx, self._batch([prompts[i] for i in idx], params), strict=True):
+                res = self._batch([prompts[i] for i in idx], [keys[i] for i in idx], params)
+                for i, g in zip(idx, res, strict=True):
                     out[i] = g
         finally:
             if was_training:
                 self.model.train()
         return out  # type: ignore[return-value]
 
-    def _batch(self, prompts: list[list[int]], params: SamplingParams) -> list[GenOutput]:
+    def _batch(self, prompts: list[list[int]], keys: list[Any], params: SamplingParams) -> list[GenOutput]:
         import torch
 
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-            attn[r, width - len(p):] = 1
-        kwargs: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_id,
-                                      pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
-        if params.greedy:
-            kwargs.update(do_sample=False)
-        else:
-            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
+        dev = self.device
+        past = [self._reusable(k, p) for k, p in zip(keys, prompts, strict=True)]
+        lens = [c.length if c else 0 for c in past]
+        new = [p[n:] for p, n in zip(prompts, lens, strict=True)]
+        self.prefilled += sum(len(x) for x in new)
+        B, L, S = len(prompts), max(lens), max(len(x) for x in new)
+        ids = torch.full((B, S), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, L + S), dtype=torch.long)
+        pos = torch.ones((B, S), dtype=torch.long)
+        for r, (x, n) in enumerate(zip(new, lens, strict=True)):
+            ids[r, S - len(x):] = torch.tensor(x)
+            mask[r, L - n:L] = 1
+            mask[r, L + S - len(x):] = 1
+            pos[r, S - len(x):] = torch.arange(n, n + len(x))
+        cache = _stack_caches(past, L, self.model, dev) if L else None
+        warp = _warpers(params)
+        steps, sampled, lps = [], [], []
+        done = torch.zeros(B, dtype=torch.bool)
+        next_pos = pos[:, -1:] + 1
+        x, m, p = ids.to(dev), mask.to(dev), pos.to(dev)
         with torch.no_grad():
-            res = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
-        new = res.sequences[:, width:].cpu()
-        logits = torch.stack(res.logits, dim=1).float()  # (batch, steps, vocab): raw, before any processing
-        lps = torch.log_softmax(logits, dim=-1).gather(2, new[:, : logits.shape[1], None].to(logits.device))[..., 0].cpu()
+            for t in range(params.max_new_tokens):
+                res = self._forward(x, m, p, cache)
+                cache = _cache_of(res)
+                logits = res.logits[:, -1, :].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                scores = warp(logits) if warp else logits
+                if params.greedy:
+                    tok = torch.argmax(scores, dim=-1)
+                else:
+                    tok = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+                tok = torch.where(done.to(dev), torch.full_like(tok, self.pad_id), tok)
+                sampled.append(tok.cpu())
+                lps.append(logp.gather(1, tok[:, None])[:, 0].cpu())
+                steps.append(t)
+                done |= sampled[-1] == self.eos_id
+                if bool(done.all()) or t + 1 == params.max_new_tokens:
+                    break
+                x = tok[:, None]
+                m = torch.cat([m, torch.ones((B, 1), dtype=m.dtype, device=dev)], dim=1)
+                p = next_pos.to(dev)
+                next_pos = next_pos + 1
+        gen = torch.stack(sampled, dim=1)
+        lp = torch.stack(lps, dim=1)
+        fed = len(sampled) - 1  # the last sampled token is never run through the model
         outs = []
-        for r in range(len(prompts)):
-            row = new[r].tolist()
-            n = len(row)
-            ended = False
-            for t, tok in enumerate(row):
-                if tok == self.eos_id:
+        for r in range(B):
+            row = gen[r].tolist()
+            n, ended = len(row), False
+            for t, tk in enumerate(row):
+                if tk == self.eos_id:
                     n, ended = t + 1, True
                     break
-            outs.append(GenOutput(row[:n], lps[r, :n].tolist(), ended))
+            outs.append(GenOutput(row[:n], lp[r, :n].tolist(), ended))
+            if keys[r] is not None and cache is not None:
+                keep = min(n, fed)
+                cols = torch.cat([torch.arange(L - lens[r], L), torch.arange(L + S - len(new[r]), L + S),
+                                  torch.arange(L + S, L + S + keep)]).to(dev)
+                self._sessions[keys[r]] = _Cached(prompts[r] + row[:keep], _row_of(cache, r, cols))
         return outs
 
+    def _reusable(self, key: Any, prompt: list[int]) -> _Cached | None:
+        c = self._sessions.get(key) if key is not None else None
+        if c is None:
+            return None
+        n = 0
+        for a, b in zip(c.ids, prompt, strict=False):  # the longest common prefix, less one: a turn needs an input
+            if a != b:
+                break
+            n += 1
+        n = min(n, len(prompt) - 1)
+        return c.cropped(n) if n > 0 else None
+
+    def _forward(self, ids, mask, pos, cache):
+        kw = {_cache_kwarg(self.model): cache} if cache is not None else {}
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kw)
+
     def update_weights(self, source: Any) -> None:
+        self.end_sessions()
         if source is self.model:
             return
         if isinstance(source, (str, Path)):
@@ -136,9 +214,92 @@ class HFBackend:
     def load_adapter(self, adapter_dir: str) -> None:
         from peft import PeftModel
 
+        self.end_sessions()
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.model = PeftModel.from_pretrained(base, adapter_dir).to(self.device)
         self.model.eval()
+
+
+@dataclass
+class _Cached:
+    """One session's KV: the ids run through the model and, per layer, keys and values (heads, len, dim)."""
+
+    ids: list[int]
+    layers: list[tuple[Any, Any]]
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def cropped(self, n: int) -> _Cached:
+        if n == len(self.ids):
+            return self
+        return _Cached(self.ids[:n], [(k[:, :n], v[:, :n]) for k, v in self.layers])
+
+
+def _cache_kwarg(model: Any) -> str:
+    """`cache` (transformers >= 5.20) or `past_key_values` (earlier): the forward's name for the KV cache."""
+    import inspect
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+def _cache_of(res: Any) -> Any:
+    c = getattr(res, "cache", None)
+    return c if c is not None else res.past_key_values
+
+
+def _layers_of(cache: Any) -> list[tuple[Any, Any]]:
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(lay) is not DynamicLayer for lay in layers):  # sliding windows, linear states
+        raise NotImplementedError(f"KV reuse needs full-attention dynamic caches, got {type(cache).__name__}; "
+                                  "set generation.kv_reuse=false for this model")
+    return [(lay.keys, lay.values) for lay in layers]
+
+
+def _row_of(cache: Any, r: int, cols: Any) -> list[tuple[Any, Any]]:
+    return [(k[r].index_select(1, cols), v[r].index_select(1, cols)) for k, v in _layers_of(cache)]
+
+
+def _stack_caches(past: list[_Cached | None], width: int, model: Any, device: str) -> Any:
+    """Per-session caches, left-padded to `width` and stacked into one batch cache (padding is masked out)."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    ref = next(c for c in past if c)
+    data = []
+    for layer in range(len(ref.layers)):
+        k0, v0 = ref.layers[layer]
+        ks = torch.zeros((len(past), k0.shape[0], width, k0.shape[2]), dtype=k0.dtype, device=k0.device)
+        vs = torch.zeros((len(past), v0.shape[0], width, v0.shape[2]), dtype=v0.dtype, device=v0.device)
+        for r, c in enumerate(past):
+            if c:
+                n = c.length
+                ks[r, :, width - n:] = c.layers[layer][0]
+                vs[r, :, width - n:] = c.layers[layer][1]
+        data.append((ks, vs))
+    return DynamicCache(data)
+
+
+def _warpers(params: SamplingParams):
+    """transformers' own temperature and top-p warpers, in `generate`'s order; None when sampling is plain."""
+    if params.greedy:
+        return None
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    procs = LogitsProcessorList()
+    if params.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_p < 1.0:
+        procs.append(TopPLogitsWarper(params.top_p))
+    return (lambda scores: procs(None, scores)) if procs else None
 
 
 class VLLMBackend:
@@ -166,7 +327,9 @@ class VLLMBackend:
         self.lora = None
         self._lora_id = 0
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 sessions: list[Any] | None = None) -> list[GenOutput]:
+        """`sessions` is not needed: vLLM's prefix cache finds an episode's earlier turns by their tokens."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
@@ -184,6 +347,9 @@ class VLLMBackend:
                 raise RuntimeError("vLLM returned no logprob for a sampled token")
             outs.append(GenOutput(ids, lps, bool(ids) and ids[-1] == self.eos_id))
         return outs
+
+    def end_sessions(self, keys: list[Any] | None = None) -> None:
+        """Nothing to free: the prefix cache evicts by itself."""
 
     def update_weights(self, source: Any) -> None:
         """Full weights: a saved directory (reload_weights) or a model/state dict (weights_iterator)."""
@@ -216,7 +382,7 @@ def make_backend(kind: str, model: Any, tokenizer: Any, cfg: Any, model_dir: str
                  device: str = "cpu") -> GenerationBackend:
     """`cfg` is the GenerationConfig section."""
     if kind == "hf":
-        return HFBackend(model, tokenizer, batch_size=cfg.batch_size, device=device)
+        return HFBackend(model, tokenizer, batch_size=cfg.batch_size, device=device, kv_reuse=cfg.kv_reuse)
     if kind == "vllm":
         if model_dir is None:
             raise ValueError("the vllm backend needs the model directory")

@@ -65,6 +65,7 @@ class _Episode:
     generated: int = 0
     finish_reason: str = ""
     truncated: bool = False
+    key: int = 0  # names the episode to the backend (its KV cache between turns)
 
 
 @dataclass
@@ -99,6 +100,7 @@ def rollout(
     pending = list(slots)
     live: list[_Episode] = []
     turn_no = 0
+    keys = iter(range(1, 1 << 62))
 
     def start(slot: _Slot) -> None:
         if slot.env is None:
@@ -106,7 +108,7 @@ def rollout(
         task = slot.chain[slot.next]
         first = slot.env.reset(task)
         system = getattr(slot.env, "system_prompt", "")
-        ep = _Episode(slot, task, slot.next)
+        ep = _Episode(slot, task, slot.next, key=next(keys))
         ids = fmt.prompt_ids(system, first)
         ep.seq.extend(ids, generated=False)
         ep.turns += [Turn("system", system, tokens=[], mask=[]), Turn("user", first, tokens=ids, mask=[0] * len(ids))]
@@ -114,6 +116,7 @@ def rollout(
         live.append(ep)
 
     def finish(ep: _Episode) -> None:
+        backend.end_sessions([ep.key])
         env = ep.slot.env
         verdict = env.verify()
         info = env.episode_info() if hasattr(env, "episode_info") else {}
@@ -165,7 +168,7 @@ def rollout(
                 groups.setdefault(room, []).append(ep)
             for room, eps in sorted(groups.items()):
                 params = SamplingParams(s.temperature, s.top_p, room, seed=s.seed * 100_003 + turn_no)
-                outs = backend.generate([ep.seq.ids for ep in eps], params)
+                outs = backend.generate([ep.seq.ids for ep in eps], params, sessions=[ep.key for ep in eps])
                 for ep, out in zip(eps, outs, strict=True):
                     _advance(ep, out, fmt, s)
                     if ep.finish_reason:
@@ -175,6 +178,7 @@ def rollout(
             fill()
     finally:
         bar.close()
+        backend.end_sessions([ep.key for ep in live])
         for sl in slots:
             if sl.env is not None and hasattr(sl.env, "close"):
                 sl.env.close()

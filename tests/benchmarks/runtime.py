@@ -26,12 +26,15 @@ class Recording:
         self.inner, self.calls, self.seconds = inner, [], 0.0
         self.eos_id = inner.eos_id
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, sessions=None):
         t0 = time.perf_counter()
-        out = self.inner.generate(prompts, params)
+        out = self.inner.generate(prompts, params, sessions)
         self.seconds += time.perf_counter() - t0
         self.calls.append(([list(p) for p in prompts], params))
         return out
+
+    def end_sessions(self, keys=None):
+        self.inner.end_sessions(keys)
 
 
 def bench_rollout(out: dict, episodes: int = 32, turns: int = 4, new_tokens: int = 24) -> None:

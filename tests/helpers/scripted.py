@@ -17,13 +17,16 @@ class ScriptedBackend:
     def __init__(self, tokenizer, script):
         self.tok, self.script, self.eos_id = tokenizer, script, tokenizer.eos_token_id
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, sessions=None):
         outs = []
         for p in prompts:
             text = self.script(self.tok.decode(p))
             ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos_id]
             outs.append(GenOutput(ids, [0.0] * len(ids), True))
         return outs
+
+    def end_sessions(self, keys=None):
+        pass
 
 
 def tasks_by_instruction(sandbox) -> dict:

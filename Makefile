@@ -35,10 +35,11 @@ $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(VLLM_PY) -m pip install --quiet "$(VLLM_SPEC)" "peft>=0.17,<1" pytest pytest-timeout pyyaml pydantic tqdm
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_SPEC)" pytest pytest-timeout
 	@# pip drags in CUDA builds of these three, which break `import vllm` next to the CPU torch
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
-	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	@# the whole project, dependencies included: the GRPO phase runs here on vllm (tests/vllm_backend)
+	$(VLLM_PY) -m pip install --quiet -e .
 	@touch $(VLLM_STAMP)
 
 setup: $(STAMP) $(VLLM_STAMP)

@@ -383,6 +383,27 @@ class SageConfig(_Section):
     chain_length: int = Field(2, ge=1, le=16)
 
 
+class AsyncConfig(_Section):
+    """Generation overlapped with training, and the correction for sampling with another policy than the learner."""
+
+    max_staleness: int = Field(0, ge=0, le=8, description="0 = synchronous (every batch sampled by the policy being "
+                               "trained); s > 0: step k's batch is sampled by the policy of step k-s, while the "
+                               "trainer updates (a rollout thread with its own copy of the weights)")
+    correction: Literal["auto", "none", "tis", "mis"] = Field(
+        "auto", description="importance weights pi_learner/pi_sampler on the surrogate: 'tis' truncated at `cap`, "
+        "'mis' masked above `cap` (the token gets no gradient); 'auto' = 'tis' whenever the sampler is not the "
+        "learner (max_staleness > 0, or generation.backend='vllm'), else none")
+    level: Literal["token", "sequence"] = Field("token", description="one weight per token, or per episode (the "
+                                                "geometric mean of its tokens' ratios)")
+    cap: float = Field(2.0, gt=1.0, le=100.0)
+
+    def active_correction(self, backend: str) -> str:
+        """'none', 'tis' or 'mis': what the loss applies, given the generation backend."""
+        if self.correction != "auto":
+            return self.correction
+        return "tis" if self.max_staleness > 0 or backend == "vllm" else "none"
+
+
 class GRPOConfig(_Checkpointed):
     steps: int = Field(40, ge=1)
     tasks_per_step: int = Field(8, ge=1, description="tasks (groups) a step; the progress filter leaves about half "
@@ -425,6 +446,9 @@ class GRPOConfig(_Checkpointed):
     max_minutes: float | None = Field(3.0, gt=0, description="wall-clock budget for training (None = steps decide)")
     deepspeed: str | None = None
     multi_node: MultiNodeConfig = Field(default_factory=MultiNodeConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
     @model_validator(mode="after")
     def _ds(self) -> GRPOConfig:
@@ -563,12 +587,19 @@ class PipelineConfig(_Section):
         if self.grpo.multi_node.enabled and self.generation.backend == "vllm":
             raise ValueError("grpo.multi_node.enabled with generation.backend='vllm': the data-parallel GRPO loop "
                              "generates with 'hf' (one vLLM engine per process is not built)")
+        if self.grpo.async_.active_correction(self.generation.backend) != "none" and self.grpo.temperature != 1.0:
+            raise ValueError(f"grpo.async.correction needs grpo.temperature=1.0 (got {self.grpo.temperature}): the "
+                             "samplers report log-probs at temperature 1; set grpo.async.correction=none to train "
+                             "without the correction")
+        if self.grpo.async_.max_staleness and self.grpo.deepspeed:
+            raise ValueError("grpo.async.max_staleness > 0 with grpo.deepspeed: the rollout thread needs a full copy "
+                             "of the weights; use one process without DeepSpeed, or max_staleness=0")
         if self.preset == "h100" and self.model.base_uri == "tiny":
             raise ValueError("model.base_uri='tiny' with preset 'h100': give a model path or s3:// URI")
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
 
 
 # Presets are overrides on the field defaults (which are the embedded default).
@@ -661,11 +692,16 @@ def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, An
     return out
 
 
+def _keys(model: type[BaseModel]) -> dict[str, Any]:
+    """A section's keys as a user writes them: the alias where a field has one (`grpo.async`)."""
+    return {(f.alias or name): f for name, f in model.model_fields.items()}
+
+
 def _model_for_path(path: tuple[str, ...]) -> type[BaseModel] | None:
     """The section model that owns `path` (a dotted location), or None when the path leaves the models."""
     model: type[BaseModel] = PipelineConfig
     for part in path:
-        field = model.model_fields.get(part)
+        field = _keys(model).get(part)
         if field is None:
             return None
         ann = field.annotation
@@ -680,10 +716,10 @@ def _hint(loc: tuple[str, ...]) -> str:
     owner = _model_for_path(loc[:-1])
     if owner is None:
         return ""
-    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(loc[-1]), list(_keys(owner)), n=1, cutoff=0.6)
     if close:
         return f" (did you mean '{close[0]}'?)"
-    return f" (known keys: {', '.join(owner.model_fields)})"
+    return f" (known keys: {', '.join(_keys(owner))})"
 
 
 def _format_errors(err: ValidationError, source: str | None) -> str:
@@ -739,7 +775,7 @@ def parse_set(pairs: Iterable[str]) -> dict[str, Any]:
             owner = _model_for_path(parts[: i - 1])
             if owner is None:
                 break  # inside a dict-typed field (e.g. suite_sizes.easy): validated later
-            if parts[i - 1] not in owner.model_fields:
+            if parts[i - 1] not in _keys(owner):
                 raise ConfigError(f"--set {'.'.join(parts[:i])}: unknown key{_hint(parts[:i])}")
         node = out
         for p in parts[:-1]:

@@ -51,6 +51,9 @@ class GenerationBackend(Protocol):
     def update_weights(self, source: Any) -> None:
         """New full weights between RL steps: a state dict, a model, or a saved model directory."""
 
+    def sync(self, model: Any) -> None:
+        """Sample from `model` from now on (the learner after an update): its weights, or its LoRA adapter."""
+
     def load_adapter(self, adapter_dir: str) -> None:
         """Serve a LoRA adapter (a PEFT directory) from now on."""
 
@@ -102,8 +105,9 @@ class HFBackend:
         earlier tokens are a prefix of this prompt, and kept for the next call (with `kv_reuse`)."""
         import torch
 
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
+        # a seeded call draws from its own generator (the same stream as `torch.manual_seed`), so a rollout thread
+        # and a trainer thread never share random state
+        gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
         keys = list(sessions) if sessions is not None and self.kv_reuse else [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
         out: list[GenOutput | None] = [None] * len(prompts)
@@ -112,7 +116,7 @@ class HFBackend:
         try:
             for start in range(0, len(order), self.batch_size):
                 idx = order[start : start + self.batch_size]
-                res = self._batch([prompts[i] for i in idx], [keys[i] for i in idx], params)
+                res = self._batch([prompts[i] for i in idx], [keys[i] for i in idx], params, gen)
                 for i, g in zip(idx, res, strict=True):
                     out[i] = g
         finally:
@@ -120,7 +124,7 @@ class HFBackend:
                 self.model.train()
         return out  # type: ignore[return-value]
 
-    def _batch(self, prompts: list[list[int]], keys: list[Any], params: SamplingParams) -> list[GenOutput]:
+    def _batch(self, prompts: list[list[int]], keys: list[Any], params: SamplingParams, gen: Any) -> list[GenOutput]:
         import torch
 
         dev = self.device
@@ -153,7 +157,7 @@ class HFBackend:
                 if params.greedy:
                     tok = torch.argmax(scores, dim=-1)
                 else:
-                    tok = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+                    tok = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=gen)[:, 0]
                 tok = torch.where(done.to(dev), torch.full_like(tok, self.pad_id), tok)
                 sampled.append(tok.cpu())
                 lps.append(logp.gather(1, tok[:, None])[:, 0].cpu())
@@ -199,6 +203,12 @@ class HFBackend:
     def _forward(self, ids, mask, pos, cache):
         kw = {_cache_kwarg(self.model): cache} if cache is not None else {}
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kw)
+
+    def sync(self, model: Any) -> None:
+        if model is self.model:
+            self.end_sessions()  # same object, new weights: every cached key and value is stale
+        else:
+            self.update_weights(model)
 
     def update_weights(self, source: Any) -> None:
         self.end_sessions()
@@ -326,6 +336,7 @@ class VLLMBackend:
         )
         self.lora = None
         self._lora_id = 0
+        self._adapters: Path | None = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  sessions: list[Any] | None = None) -> list[GenOutput]:
@@ -361,6 +372,22 @@ class VLLMBackend:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
         self.llm.reset_prefix_cache()
 
+    def sync(self, model: Any) -> None:
+        """A LoRA learner: its adapter, saved and served (the base weights never change); else full weights."""
+        if not hasattr(model, "peft_config"):
+            self.update_weights(model)
+            return
+        import shutil
+        import tempfile
+
+        if self._adapters is None:
+            self._adapters = Path(tempfile.mkdtemp(prefix="agentrl-vllm-lora-"))
+        d = self._adapters / f"{self._lora_id + 1:06d}"
+        model.save_pretrained(d)
+        self.load_adapter(str(d))
+        for old in sorted(self._adapters.iterdir())[:-2]:  # the engine may still read the previous one
+            shutil.rmtree(old, ignore_errors=True)
+
     def load_adapter(self, adapter_dir: str) -> None:
         from vllm.lora.request import LoRARequest
 
@@ -380,15 +407,29 @@ def _on_cpu() -> bool:
 
 def make_backend(kind: str, model: Any, tokenizer: Any, cfg: Any, model_dir: str | None = None,
                  device: str = "cpu") -> GenerationBackend:
-    """`cfg` is the GenerationConfig section."""
+    """`cfg` is the GenerationConfig section. `model` is the policy to sample from: the hf backend runs it; the
+    vllm engine loads its weights from disk (`model_dir`, else the directory the model was loaded from; for a
+    LoRA policy its base) and serves the adapter on top."""
     if kind == "hf":
         return HFBackend(model, tokenizer, batch_size=cfg.batch_size, device=device, kv_reuse=cfg.kv_reuse)
     if kind == "vllm":
-        if model_dir is None:
-            raise ValueError("the vllm backend needs the model directory")
+        lora = hasattr(model, "peft_config")
+        inner = model.get_base_model() if lora else model
+        loaded_from = str(getattr(inner.config, "_name_or_path", "") or "")
+        found = [d for d in ([] if lora else [model_dir]) + [loaded_from] if d and Path(d, "config.json").is_file()]
+        if not found:
+            raise ValueError(f"the vllm backend needs the model's directory on disk (got {model_dir!r}, "
+                             f"loaded from {loaded_from!r})")
+        src = found[0]
         v = cfg.vllm
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        return VLLMBackend(model_dir, tokenizer, max_model_len=v.max_model_len,
-                           gpu_memory_utilization=v.gpu_memory_utilization, enable_prefix_caching=v.enable_prefix_caching,
-                           enforce_eager=v.enforce_eager, tensor_parallel_size=v.tensor_parallel_size)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # sample in the learner's precision
+        rank = max((c.r for c in model.peft_config.values()), default=8) if lora else 8
+        be = VLLMBackend(src, tokenizer, max_model_len=v.max_model_len, gpu_memory_utilization=v.gpu_memory_utilization,
+                         enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager,
+                         tensor_parallel_size=v.tensor_parallel_size, enable_lora=lora, max_lora_rank=rank,
+                         dtype=dtype)
+        if lora:
+            be.sync(model)
+        return be
     raise ValueError(f"generation.backend={kind!r}: expected 'hf' or 'vllm'")

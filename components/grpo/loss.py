@@ -6,6 +6,7 @@ and must be context but never targets, and each agent turn may carry its own adv
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ class Sample:
     ids: list[int]
     mask: list[int]  # 1 = an agent token (trained on)
     advantages: list[float]  # per token (0 where mask is 0)
+    behavior: list[float] | None = None  # the sampler's log-prob of each token (NaN where unknown: an expert's)
 
     @property
     def n_agent(self) -> int:
@@ -27,6 +29,7 @@ def sample_from_turns(turns, turn_advantages: list[float] | float) -> Sample:
     ids: list[int] = []
     mask: list[int] = []
     adv: list[float] = []
+    behavior: list[float] = []
     k = 0
     for t in turns:
         toks = list(t.tokens or [])
@@ -39,7 +42,9 @@ def sample_from_turns(turns, turn_advantages: list[float] | float) -> Sample:
         ids += toks
         mask += m
         adv += [float(a) if x else 0.0 for x in m]
-    return Sample(ids, mask, adv)
+        lps = list(t.logprobs or []) if t.role == "assistant" else []
+        behavior += lps if len(lps) == len(toks) else [math.nan] * len(toks)
+    return Sample(ids, mask, adv, behavior)
 
 
 @dataclass
@@ -49,10 +54,11 @@ class Batch:
     targets: torch.Tensor  # (B, T-1): input_ids shifted
     mask: torch.Tensor  # (B, T-1) float: 1 on agent targets
     advantages: torch.Tensor  # (B, T-1)
+    behavior: torch.Tensor  # (B, T-1): the sampler's log-prob of each target (NaN where unknown)
 
     def to(self, device) -> Batch:
         return Batch(*(x.to(device) for x in (self.input_ids, self.attention_mask, self.targets, self.mask,
-                                               self.advantages)))
+                                               self.advantages, self.behavior)))
 
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:
@@ -62,14 +68,44 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     attn = torch.zeros((B, width), dtype=torch.long)
     mask = torch.zeros((B, width), dtype=torch.float32)
     adv = torch.zeros((B, width), dtype=torch.float32)
+    beh = torch.full((B, width), math.nan, dtype=torch.float32)
     for r, s in enumerate(samples):
         n = len(s.ids)
         ids[r, :n] = torch.tensor(s.ids)
         attn[r, :n] = 1
         mask[r, :n] = torch.tensor(s.mask, dtype=torch.float32)
         adv[r, :n] = torch.tensor(s.advantages, dtype=torch.float32)
+        if s.behavior is not None:
+            beh[r, :n] = torch.tensor(s.behavior, dtype=torch.float32)
     # position t predicts token t+1: the targets and their masks move one to the left
-    return Batch(ids, attn, ids[:, 1:], mask[:, 1:], adv[:, 1:])
+    return Batch(ids, attn, ids[:, 1:], mask[:, 1:], adv[:, 1:], beh[:, 1:])
+
+
+def importance_weights(old_logp: torch.Tensor, batch: Batch, mode: str, level: str, cap: float):
+    """Weights pi_old/pi_sampler for a batch sampled by another policy (an older one, or another engine), and what
+    they did. `old_logp`: the learner's log-probs before this step's update (detached). 'tis' truncates a weight at
+    `cap`; 'mis' gives a weight above `cap` zero (its token no gradient). `level='sequence'`: one weight per episode,
+    the geometric mean of its tokens' ratios. Tokens without a sampler log-prob (an expert's) get weight 1.
+    Returns (weights (B, T-1), stats); weights is None for mode 'none'."""
+    m = batch.mask
+    known = ~torch.isnan(batch.behavior) & (m > 0)
+    diff = torch.where(known, old_logp - torch.nan_to_num(batch.behavior), torch.zeros_like(old_logp))
+    n_known = known.sum().clamp(min=1)
+    stats = {"logprob_gap": float(diff.abs().sum() / n_known), "known_fraction": float(known.sum() / m.sum().clamp(min=1))}
+    if mode == "none":
+        return None, stats
+    if level == "sequence":
+        per_seq = diff.sum(-1) / known.sum(-1).clamp(min=1)
+        raw = torch.exp(per_seq)[:, None].expand_as(diff)
+    else:
+        raw = torch.exp(diff)
+    raw = torch.where(known, raw, torch.ones_like(raw))
+    over = (raw > cap) & known
+    w = torch.clamp(raw, max=cap) if mode == "tis" else torch.where(over, torch.zeros_like(raw), raw)
+    stats.update({"is_weight_mean": float((w * m).sum() / m.sum().clamp(min=1)),
+                  "is_weight_max": float((raw * m).max()) if m.any() else 1.0,
+                  "is_truncated_fraction": float((over.float() * m).sum() / m.sum().clamp(min=1))})
+    return w.detach(), stats
 
 
 def token_logprobs(model, batch: Batch, with_entropy: bool = False, temperature: float = 1.0):
@@ -90,17 +126,22 @@ def token_logprobs(model, batch: Batch, with_entropy: bool = False, temperature:
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, batch: Batch, *,
-              clip_eps: float, clip_eps_high: float, beta: float, aggregation: str, norm: float):
+              clip_eps: float, clip_eps_high: float, beta: float, aggregation: str, norm: float,
+              is_weights: torch.Tensor | None = None):
     """Clipped surrogate (PPO/GRPO) minus beta x k3 KL, on agent tokens; returns (loss, stats).
 
     `norm` makes micro-batches add up to the mean over the whole step batch: the step's agent-token count
-    for token_mean, its number of sequences for seq_mean.
+    for token_mean, its number of sequences for seq_mean. `is_weights` (from `importance_weights`): the
+    decoupled objective of an off-policy batch — the clip stays around the learner's pre-update policy `old_logp`
+    (the proximal policy), and the weight corrects from there to the policy that sampled.
     """
     m = batch.mask
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * batch.advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * batch.advantages
     per_token = -torch.min(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     kl = None
     if ref_logp is not None and beta > 0:
         d = ref_logp - logp

@@ -32,6 +32,7 @@ the same on every rank; evaluation runs on every rank (ZeRO-3 gathers are collec
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -60,6 +61,7 @@ from components.grpo.loss import (
     collate,
     control_prob,
     grpo_loss,
+    importance_weights,
     nll_loss,
     sample_from_turns,
     token_logprobs,
@@ -203,6 +205,9 @@ def run(
     if g.tasks_per_step % world_size:
         raise ValueError(f"grpo.tasks_per_step={g.tasks_per_step} must be a multiple of the number of processes "
                          f"({world_size}): every rank rolls out the same number of groups")
+    if world_size > 1 and g.async_.max_staleness:
+        raise ValueError("grpo.async.max_staleness > 0 with several GRPO processes is not supported (one rollout "
+                         "thread per process pair); use one process, or max_staleness=0")
     if world_size > 1 and cfg.generation.backend == "vllm":
         raise ValueError("generation.backend='vllm' with several GRPO processes is not supported (one engine per "
                          "process is not built); use 'hf', or one process with vLLM")
@@ -221,7 +226,7 @@ def run(
     local_ckpt, state = ckpts.fetch(latest[1]) if latest else (None, {})
 
     with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or state.get("parent_run_id") or None,
-                   close_parent=False, resume_run_id=state.get("run_id")) as tracker:
+                   close_parent=False, resume_run_id=state.get("run_id")) as tracker, contextlib.ExitStack() as closing:
         work = Path(os.environ.get("AGENTRL_GRPO_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
         work.mkdir(parents=True, exist_ok=True)
         if latest:
@@ -251,6 +256,7 @@ def run(
         sched = get_constant_schedule(opt)
         model, opt, sched = acc.prepare(policy.model, opt, sched)
         fmt = ChatFormat(policy.tokenizer)
+        correction = g.async_.active_correction(cfg.generation.backend)
         pad_id = policy.tokenizer.pad_token_id
         control_ids = control_token_ids(policy.tokenizer, cfg.sandbox.action_format)
 
@@ -264,10 +270,12 @@ def run(
             monitor.load_state_dict(state["monitor"])
             best = state["best"]
         unwrapped = acc.unwrap_model(model)
-        backend = make_backend(cfg.generation.backend, unwrapped, policy.tokenizer, cfg.generation,
-                               model_dir=policy_model, device=str(acc.device))
-        if cfg.generation.backend == "vllm" and start:
-            backend.update_weights(unwrapped)  # the engine starts from the SFT weights: push the resumed ones
+        stale = g.async_.max_staleness
+        # async: the rollout thread samples on its own backend (a copy of the weights); evaluation runs the learner
+        backend = make_backend(cfg.generation.backend if not stale else "hf", unwrapped, policy.tokenizer,
+                               cfg.generation, device=str(acc.device))
+        if start:
+            backend.sync(unwrapped)  # an engine starts from the weights on disk: push the resumed ones
 
         def log(metrics: dict[str, float], step: int) -> None:
             # a resumed run re-computes the steps after its checkpoint; MLflow already has some of them
@@ -298,6 +306,38 @@ def run(
         # 3. the loop
         t_start = time.perf_counter()
         train = sandbox.online_tasks(g.task_pool)
+
+        by_id = {t.id: t for t in train}
+
+        def sample_step(k: int, on, cur: Curriculum) -> tuple[list[list[Task]], list[Trajectory]]:
+            """Step k's chains (this rank's share) and their rollouts: a function of k, the curriculum's state and the
+            sampling weights."""
+            ch = draw_tasks(cfg, cur, train, k)
+            ch = ch[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
+            settings = RolloutSettings.from_config(cfg, group_size=g.group_size, temperature=g.temperature,
+                                                   seed=cfg.run.seed * 1_000_003 + k + 7_919 * acc.process_index,
+                                                   policy_name="grpo", progress=False)
+            return ch, rollout(on, env_factory(), fmt, ch, settings, rewards=cfg.rewards)
+
+        sampler = None
+        if stale:
+            from components.grpo.async_sampler import AsyncSampler
+
+            def backend_for(copy):
+                return make_backend(cfg.generation.backend, copy, policy.tokenizer, cfg.generation,
+                                    device=str(acc.device))
+
+            def produce(k: int, on, cur_state: dict) -> list[Trajectory]:
+                cur = Curriculum(g.curriculum)
+                cur.load_state_dict(cur_state)  # the curriculum as it was when the sampling weights were
+                return sample_step(k, on, cur)[1]
+
+            sampler = AsyncSampler(unwrapped, backend_for, produce, start, g.steps, stale,
+                                   context=curriculum.state_dict(),
+                                   pending=_read_pending(local_ckpt) if local_ckpt else None,
+                                   threads=g.torch_threads if not on_gpu else None)
+            closing.callback(sampler.close)
+
         tracker.set_tags({"agentrl.grpo.task_pool": f"{g.task_pool}: " + ", ".join(
             f"L{lv} {sum(t.level == lv for t in train)} ({sum(t.level == lv and t.suite == 'practice' for t in train)} "
             "unseen by SFT)" for lv in sorted({t.level for t in train}))})
@@ -306,16 +346,17 @@ def run(
         step = start
         for step in bar:
             t0 = time.perf_counter()
-            # a. tasks
-            chains = draw_tasks(cfg, curriculum, train, step)  # the same on every rank ...
-            chains = chains[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]  # ... each its share
-            # b. rollouts (all samples of all chains, one batched generation per turn)
-            settings = RolloutSettings.from_config(cfg, group_size=g.group_size, temperature=g.temperature,
-                                                   seed=cfg.run.seed * 1_000_003 + step + 7_919 * acc.process_index,
-                                                   policy_name="grpo", progress=False)
-            model.eval()
-            with unwrap_model_for_generation(model, acc):  # gathers ZeRO-3 shards for generation; else a no-op
-                flat_trajs = rollout(backend, env_factory(), fmt, chains, settings, rewards=cfg.rewards)
+            # a. tasks (the same on every rank, each its share) and b. rollouts (all samples of all chains, one
+            # batched generation per turn) — or, async, the batch the rollout thread sampled by version step - s
+            if sampler is not None:
+                flat_trajs, version = sampler.batch(step)
+                chains = [[t for t in (by_id[tr.task_id] for tr in flat_trajs[i:i + L])]
+                          for i in range(0, len(flat_trajs), L * g.group_size)]
+            else:
+                model.eval()
+                with unwrap_model_for_generation(model, acc):  # gathers ZeRO-3 shards for generation; else a no-op
+                    chains, flat_trajs = sample_step(step, backend, curriculum)
+                version = step
             samples = [flat_trajs[i:i + L] for i in range(0, len(flat_trajs), L)]  # per sampled chain
             groups = [samples[i * g.group_size:(i + 1) * g.group_size] for i in range(len(chains))]
             if g.repair.off_policy_expert:
@@ -332,9 +373,8 @@ def run(
             batch = [sample_from_turns(t.turns, adv[id(t)]) for t in episodes]  # a constant count: see `ga`
             # d. the update
             model.train()
-            stats = update(model, ref, opt, sched, acc, batch, g, pad_id, control_ids)
-            if cfg.generation.backend == "vllm":
-                backend.update_weights(unwrapped)  # the rollout engine samples from the new weights
+            stats = update(model, ref, opt, sched, acc, batch, g, pad_id, control_ids, correction)
+            backend.sync(unwrapped)  # the sampler follows the learner (vLLM: new weights or adapter)
             if acc.num_processes > 1:  # every rank sees every episode: the same curriculum, alarms and repair
                 stats = _mean_over_ranks(acc, {**stats, "zero_variance_groups": zero_var, "filtered_groups": filtered})
                 zero_var, filtered = stats.pop("zero_variance_groups"), stats.pop("filtered_groups")
@@ -361,8 +401,9 @@ def run(
                 failed = [t for t in policy_eps if not t.verdict.success]
                 repaired = repair(model, opt, acc, failed or policy_eps, sandbox, cfg, fmt, env_factory(), pad_id,
                                   step)
-                if cfg.generation.backend == "vllm":
-                    backend.update_weights(unwrapped)
+                backend.sync(unwrapped)
+            if sampler is not None:  # version step+1: the weights and the curriculum after this step
+                sampler.publish(step + 1, unwrapped, curriculum.state_dict())
             # f. metrics
             sols = [t.verdict.success for t in policy_eps]
             metrics = {
@@ -378,6 +419,8 @@ def run(
                 **{f"alarm/{a}": 1.0 for a in alarms}, "alarms": float(len(alarms)), "repair/sft_loss": repaired,
                 "filtered_groups": filtered, "loss": stats["loss"], "clip_fraction": stats["clip_fraction"], "grad_norm": stats["grad_norm"],
                 "trained_tokens": stats["tokens"], "learning_rate": sched.get_last_lr()[0],
+                **{k: v for k, v in stats.items() if k.startswith("offpolicy/")},
+                "offpolicy/staleness": float(step - version),
                 "step_seconds": time.perf_counter() - t0,
             }
             if g.sage.enabled:
@@ -395,7 +438,7 @@ def run(
                             "dir": str(work / f"best-step-{done:08d}")}
                     _save_trainable(acc, model, Path(best["dir"]))
             if done % g.checkpoint_every == 0 or done == g.steps:
-                ckpts.save(done, lambda d: acc.save_state(str(d / "accelerate")),
+                ckpts.save(done, lambda d, n=done: _save_step_state(acc, d, sampler, n),
                            {"run_id": tracker.run_id, "parent_run_id": tracker.parent_run_id,
                             "curriculum": curriculum.state_dict(), "monitor": monitor.state_dict(),
                             "best": best}, main=acc.is_main_process, barrier=acc.wait_for_everyone)
@@ -459,8 +502,13 @@ def run_multi_node(**kwargs: Any) -> GRPOResult:
 # ----------------------------------------------------------------------------------------------
 # The update, the repair, and what they report
 # ----------------------------------------------------------------------------------------------
-def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, control_ids: set[int]) -> dict[str, float]:
-    """`epochs_per_batch` optimizer steps over the step's episodes, accumulated over micro-batches."""
+def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, control_ids: set[int],
+           correction: str = "none") -> dict[str, float]:
+    """`epochs_per_batch` optimizer steps over the step's episodes, accumulated over micro-batches.
+
+    `correction` ('none', 'tis', 'mis'): importance weights for a batch another policy sampled (see
+    `importance_weights`); with temperature 1 the gap between the sampler's and the learner's log-probs is
+    reported either way (`offpolicy/logprob_gap`: ~1e-6 when they are one model, more when vLLM or staleness)."""
     import torch
 
     if not batch:
@@ -473,6 +521,7 @@ def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, con
     # one epoch the batch is on-policy and old = the current log-probs, detached (ratio 1, as TRL does)
     refs: list = [None] * len(mbs)
     olds: list = [None] * len(mbs)
+    weights: list = [None] * len(mbs)
     cp = [0.0, 0.0, 0.0, 0.0]  # control-token prob: policy sum, count, reference sum, count
     with torch.no_grad():
         for i, mb in enumerate(mbs):
@@ -489,15 +538,22 @@ def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, con
     n_tokens = max(1.0, float(sum(s.n_agent for s in batch)))
     ga = acc.gradient_accumulation_steps  # = len(mbs): one optimizer step per epoch over the whole batch
     for epoch in range(g.epochs_per_batch):
-        for mb, old, rl in zip(mbs, olds, refs, strict=True):
+        for k, (mb, old, rl) in enumerate(zip(mbs, olds, refs, strict=True)):
             with acc.accumulate(model):
                 logp, ent = token_logprobs(model, mb, with_entropy=True, temperature=g.temperature)
                 if epoch == 0:  # no optimizer step has happened yet: the incoming policy's control tokens
                     s_, n_ = control_prob(logp, mb, control_ids)
                     cp[0] += s_
                     cp[1] += n_
+                    if g.temperature == 1.0:  # the samplers' log-probs are at temperature 1
+                        weights[k], off = importance_weights(logp.detach() if old is None else old, mb, correction,
+                                                             g.async_.level, g.async_.cap)
+                        w_ = float(mb.mask.sum()) / n_tokens
+                        for name, v in off.items():
+                            totals["offpolicy/" + name] += v * w_
                 loss, st = grpo_loss(logp, logp.detach() if old is None else old, rl, mb, clip_eps=g.clip_eps,
-                                     clip_eps_high=high, beta=g.beta, aggregation=g.loss_aggregation, norm=norm)
+                                     clip_eps_high=high, beta=g.beta, aggregation=g.loss_aggregation, norm=norm,
+                                     is_weights=weights[k])
                 acc.backward(loss * ga)  # accelerate (and DeepSpeed) divide by the accumulation steps
                 if acc.sync_gradients:
                     grad_norm = float(acc.clip_grad_norm_(model.parameters(), g.max_grad_norm))
@@ -507,11 +563,12 @@ def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, con
             w = float(mb.mask.sum()) / n_tokens  # this micro-batch's share of the agent tokens
             totals["loss"] += float(loss.detach())
             totals["entropy"] += float(ent) * w / g.epochs_per_batch
-            for k, v in st.items():
-                totals[k] += v * w / g.epochs_per_batch
+            for name, v in st.items():
+                totals[name] += v * w / g.epochs_per_batch
     out = {"loss": totals["loss"] / g.epochs_per_batch, "clip_fraction": totals["clip_fraction"],
            "kl": totals["kl"], "entropy": totals["entropy"], "grad_norm": grad_norm,
-           "tokens": float(sum(s.n_agent for s in batch) * g.epochs_per_batch)}
+           "tokens": float(sum(s.n_agent for s in batch) * g.epochs_per_batch),
+           **{k: v for k, v in totals.items() if k.startswith("offpolicy/")}}
     if cp[1]:
         out["control_prob"] = cp[0] / cp[1]
     if cp[3]:
@@ -615,6 +672,23 @@ def _ds_config(g) -> dict[str, Any]:
     conf.pop("train_batch_size", None)  # DeepSpeed derives it: micro batch x accumulation x world size
     conf["gradient_clipping"] = g.max_grad_norm
     return conf
+
+
+def _save_step_state(acc, d: Path, sampler, done: int) -> None:
+    """A checkpoint's contents: accelerate's state, and with async the batches already sampled for the next steps."""
+    acc.save_state(str(d / "accelerate"))
+    if sampler is not None and acc.is_main_process:
+        from components.core.schema import write_jsonl
+
+        for k, trajs in sampler.pending(done).items():
+            write_jsonl(d / "pending" / f"step-{k:08d}.jsonl", trajs)
+
+
+def _read_pending(ckpt: Path) -> dict[int, list[Trajectory]]:
+    from components.core.schema import read_jsonl
+
+    return {int(f.stem.removeprefix("step-")): list(read_jsonl(f, Trajectory))
+            for f in sorted((ckpt / "pending").glob("step-*.jsonl"))}
 
 
 def _save_trainable(acc, model, d: Path) -> None:

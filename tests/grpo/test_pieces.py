@@ -13,7 +13,14 @@ from components.core.config import CollapseMonitorConfig, CurriculumConfig
 from components.core.schema import Task, Turn, Verifier
 from components.grpo.advantages import group_advantages, returns_to_go, turn_advantages, zero_variance
 from components.grpo.curriculum import Curriculum
-from components.grpo.loss import Sample, collate, grpo_loss, sample_from_turns, token_logprobs
+from components.grpo.loss import (
+    Sample,
+    collate,
+    grpo_loss,
+    importance_weights,
+    sample_from_turns,
+    token_logprobs,
+)
 from components.grpo.monitor import CollapseMonitor
 
 
@@ -131,6 +138,47 @@ def test_loss_on_policy_is_minus_mean_advantage_and_clips():
     _, st = grpo_loss(logp, logp, logp - 0.5, b, clip_eps=0.2, clip_eps_high=0.2, beta=0.1, aggregation="token_mean",
                       norm=3.0)
     assert st["kl"] == pytest.approx(float(torch.exp(torch.tensor(-0.5)) + 0.5 - 1), rel=1e-5)
+
+
+def test_samples_carry_the_samplers_logprobs_and_experts_have_none():
+    turns = [Turn("user", "u", tokens=[1, 2], mask=[0, 0]),
+             Turn("assistant", "a", tokens=[3, 4], mask=[1, 1], logprobs=[-0.5, -1.5]),
+             Turn("tool", "o", tokens=[5], mask=[0])]
+    s = sample_from_turns(turns, 1.0)
+    assert s.behavior[2:4] == [-0.5, -1.5] and all(x != x for x in s.behavior[:2] + s.behavior[4:])  # NaN elsewhere
+    expert = sample_from_turns([Turn("assistant", "", tokens=[1, 2, 3], mask=[0, 1, 1])], 1.0)  # no logprobs
+    b = collate([s, expert], pad_id=0)
+    assert b.behavior.shape == b.mask.shape and torch.isnan(b.behavior[1]).all()
+
+
+def test_importance_weights_truncate_mask_and_leave_unknown_tokens_alone():
+    # three agent targets with sampler log-probs; one row (an expert's) without
+    s1 = Sample([9, 1, 2, 3], [0, 1, 1, 1], [0, 1.0, 1.0, 1.0], [0.0, -1.0, -1.0, -1.0])
+    s2 = Sample([9, 1, 2, 3], [0, 1, 1, 1], [0, 1.0, 1.0, 1.0], None)
+    b = collate([s1, s2], pad_id=0)
+    # the learner before the update: ratios e^0 = 1, e^1.5 = 4.5 (above the cap of 2), e^-0.5 = 0.61
+    old = torch.tensor([[-1.0, 0.5, -1.5], [-2.0, -2.0, -2.0]])
+    w, st = importance_weights(old, b, "tis", "token", cap=2.0)
+    assert w[0].tolist() == pytest.approx([1.0, 2.0, float(torch.exp(torch.tensor(-0.5)))])
+    assert w[1].tolist() == [1.0, 1.0, 1.0]  # unknown sampler: weight 1
+    assert st["is_truncated_fraction"] == pytest.approx(1 / 6) and st["known_fraction"] == pytest.approx(0.5)
+    assert st["logprob_gap"] == pytest.approx((0 + 1.5 + 0.5) / 3)
+    w, _ = importance_weights(old, b, "mis", "token", cap=2.0)
+    assert w[0, 1] == 0.0 and w[0, 0] == 1.0  # masked, not truncated
+    w, _ = importance_weights(old, b, "tis", "sequence", cap=2.0)
+    geo = float(torch.exp(torch.tensor((0 + 1.5 - 0.5) / 3)))
+    assert w[0].tolist() == pytest.approx([geo] * 3)
+    none, st = importance_weights(old, b, "none", "token", cap=2.0)
+    assert none is None and "is_weight_mean" not in st and st["logprob_gap"] > 0
+    # the weights scale the surrogate; with all ones the loss is the on-policy one
+    logp = old.clone()
+    base, _ = grpo_loss(logp, old, None, b, clip_eps=0.2, clip_eps_high=0.2, beta=0.0, aggregation="token_mean",
+                        norm=6.0)
+    ones, _ = grpo_loss(logp, old, None, b, clip_eps=0.2, clip_eps_high=0.2, beta=0.0, aggregation="token_mean",
+                        norm=6.0, is_weights=torch.ones_like(old))
+    half, _ = grpo_loss(logp, old, None, b, clip_eps=0.2, clip_eps_high=0.2, beta=0.0, aggregation="token_mean",
+                        norm=6.0, is_weights=torch.full_like(old, 0.5))
+    assert float(ones) == pytest.approx(float(base)) and float(half) == pytest.approx(float(base) / 2)
 
 
 def test_micro_batches_add_up_to_the_full_batch_gradient(tiny_model_dir):

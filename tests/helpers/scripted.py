@@ -28,6 +28,9 @@ class ScriptedBackend:
     def end_sessions(self, keys=None):
         pass
 
+    def sync(self, model):
+        pass
+
 
 def tasks_by_instruction(sandbox) -> dict:
     """Every task by its instruction; where an instruction repeats across suites (the same request with other

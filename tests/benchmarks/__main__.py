@@ -18,7 +18,7 @@ def main() -> int:
 
     from components.core.tiny import set_torch_threads
     from components.core.tracking import local_tracking_uri
-    from tests.benchmarks import core, grpo, real_model, runtime, sandbox
+    from tests.benchmarks import async_grpo, core, grpo, real_model, runtime, sandbox
     from tests.helpers.servers import MotoServer
 
     set_torch_threads(1)
@@ -43,6 +43,7 @@ def main() -> int:
                 ("rollout", lambda: runtime.bench_rollout(results)),
                 ("grpo", lambda: grpo.bench_grpo(results)),
                 ("smollm2", lambda: real_model.bench_smollm2(results)),
+                ("async_grpo", lambda: async_grpo.bench_async_grpo(results)),
             ]
             only = set(sys.argv[1:])
             for name, fn in steps:

@@ -42,6 +42,15 @@ def test_preset_from_file(tmp_path):
     assert load_config(files=[f]).sft.deepspeed == "zero3"
 
 
+def test_async_section_is_written_as_users_write_it():
+    cfg = load_config(set_pairs=["grpo.async.max_staleness=1"])
+    assert cfg.grpo.async_.max_staleness == 1 and cfg.to_dict()["grpo"]["async"]["max_staleness"] == 1
+    assert PipelineConfig.model_validate(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg.grpo.async_.active_correction("hf") == "tis"  # 'auto': the sampler lags the learner
+    assert load_config().grpo.async_.active_correction("hf") == "none"
+    assert load_config().grpo.async_.active_correction("vllm") == "tis"  # another engine samples
+
+
 def test_roundtrip_and_flatten():
     cfg = load_config(set_pairs=["grpo.group_size=5"])
     again = PipelineConfig.model_validate(json.loads(json.dumps(cfg.to_dict())))
@@ -82,6 +91,12 @@ BAD = [
     (dict(set_pairs=["dpo.simulate.levels=[0]"]), "dpo.simulate.levels.0 = 0"),
     (dict(set_pairs=["rejection_sampling.levels=[3, 6]"]), "rejection_sampling.levels.1 = 6: expected less than or equal to 5"),
     (dict(set_pairs=["rejection_sampling.levels=[]"]), "rejection_sampling.levels = []"),
+    (dict(set_pairs=["grpo.async.max_stalenes=1"]), "grpo.async.max_stalenes: unknown key (did you mean 'max_staleness'?)"),
+    (dict(set_pairs=["grpo.async.max_staleness=-1"]), "grpo.async.max_staleness = -1: expected greater than or equal to 0"),
+    (dict(set_pairs=["grpo.async.correction=tis", "grpo.temperature=0.7"]),
+     "grpo.async.correction needs grpo.temperature=1.0 (got 0.7)"),
+    (dict(set_pairs=["grpo.async.max_staleness=1", "grpo.deepspeed=zero2"]),
+     "grpo.async.max_staleness > 0 with grpo.deepspeed"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Exact resume: SIGKILL at three random steps, restart each time; the run ends at the same step with the
+"""Exact resume, synchronous and asynchronous: SIGKILL at random steps, restart each time; the run ends at the same step with the
 same weights as an uninterrupted one, and MLflow holds every step exactly once."""
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-def _args(tmp_path: Path, name: str, model: Path) -> dict:
+def _args(tmp_path: Path, name: str, model: Path, staleness: int = 0) -> dict:
     ov = {"run": {"home": str(tmp_path / name / "home"), "torch_threads": 1},
           "sandbox": {"max_turns": 2, "suite_sizes": {"easy": 2}},
           "generation": {"max_new_tokens": 16},
           "grpo": {"steps": STEPS, "tasks_per_step": 2, "group_size": 2, "micro_batch_size": 2, "eval_every": 0, "output": "last",
                    "group_filter": "none",  # an untrained model fails every task: the filter would leave no gradient
                    "eval_suites": ["easy"], "checkpoint_every": 1, "learning_rate": 1e-3, "torch_threads": 1,
-                   "repair": {"every_k_steps": 3, "sft_steps": 1, "on_alarm": False}}}
+                   "repair": {"every_k_steps": 3, "sft_steps": 1, "on_alarm": False},
+                   "async": {"max_staleness": staleness}}}
     return {"overrides": json.dumps(ov), "policy_model": str(model), "model_out": str(tmp_path / name / "out"),
             "checkpoint_uri": str(tmp_path / name / "ckpt"), "parent_run_id": None}
 
@@ -44,14 +45,16 @@ def _latest(ckpt: Path) -> int:
     return done[-1][0] if done else 0
 
 
-def test_sigkill_at_three_random_steps_then_resume_exactly(tmp_path, tiny_model_dir):
-    straight = _args(tmp_path, "straight", tiny_model_dir)
+@pytest.mark.parametrize("staleness,kills", [(0, 3), (1, 2)], ids=["sync", "async"])
+def test_sigkill_at_random_steps_then_resume_exactly(tmp_path, tiny_model_dir, staleness, kills):
+    """async: a checkpoint also holds the batch already sampled for the next step (by the previous version)."""
+    straight = _args(tmp_path, "straight", tiny_model_dir, staleness)
     assert _start(straight, tmp_path / "straight.log").wait(timeout=900) == 0
 
-    killed = _args(tmp_path, "killed", tiny_model_dir)
+    killed = _args(tmp_path, "killed", tiny_model_dir, staleness)
     ckpt = Path(killed["checkpoint_uri"])
     rng = random.Random(7)
-    kill_after = sorted(rng.sample(range(1, STEPS - 1), 3))  # checkpoints after which a kill lands mid-step
+    kill_after = sorted(rng.sample(range(1, STEPS - 1), kills))  # checkpoints after which a kill lands mid-step
     log = tmp_path / "killed.log"
     for k in kill_after:
         kill_after_checkpoint(_start(killed, log), lambda: _latest(ckpt), k, log, rng.uniform(0.0, 0.4))

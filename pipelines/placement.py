@@ -34,6 +34,7 @@ class Placement:
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # secret name -> {key: ENV_NAME}
     timeout_s: int | None = None
     retries: int = 0
+    image: str | None = None  # 'trainer', 'rollout' (vLLM), 'sandbox' or a full image reference; None = the component's
 
 
 _GPU_POOL = {"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
@@ -43,6 +44,8 @@ _GPU_POOL = {"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"
 _SECRETS = {"agentrl-s3": {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}}
 _TRAIN = dict(_GPU_POOL, gpus=8, cpu="96", memory="1500Gi", shm_size="256Gi", cache_pvc="agentrl-model-cache",
               retries=3)
+# the phases that generate (the h100 preset sets generation.backend=vllm) run in the image that has vLLM
+_ROLLOUT = {"image": "rollout"}
 
 PLANS: dict[str, dict[str, dict[str, Any]]] = {
     "local": {},
@@ -51,10 +54,10 @@ PLANS: dict[str, dict[str, dict[str, Any]]] = {
         "sandbox_build": {"cpu": "8", "memory": "32Gi", "timeout_s": 3600, "retries": 2},
         "prepare": {"cpu": "8", "memory": "64Gi", "cache_pvc": "agentrl-model-cache", "timeout_s": 7200, "retries": 2},
         "sft_warmup": dict(_TRAIN, timeout_s=24 * 3600),
-        "grpo": dict(_TRAIN, timeout_s=72 * 3600),
-        "rejection_sampling": dict(_TRAIN, timeout_s=24 * 3600),
-        "dpo": dict(_TRAIN, timeout_s=24 * 3600),
-        "evaluate": dict(_GPU_POOL, gpus=1, cpu="16", memory="200Gi", shm_size="32Gi", cache_pvc="agentrl-model-cache",
+        "grpo": dict(_TRAIN, **_ROLLOUT, timeout_s=72 * 3600),
+        "rejection_sampling": dict(_TRAIN, **_ROLLOUT, timeout_s=24 * 3600),
+        "dpo": dict(_TRAIN, **_ROLLOUT, timeout_s=24 * 3600),
+        "evaluate": dict(_GPU_POOL, **_ROLLOUT, gpus=1, cpu="16", memory="200Gi", shm_size="32Gi", cache_pvc="agentrl-model-cache",
                          timeout_s=6 * 3600, retries=2),
         "champion": {"cpu": "2", "memory": "16Gi", "cache_pvc": "agentrl-model-cache", "timeout_s": 3600, "retries": 3},
         "promote": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 3},
@@ -105,6 +108,11 @@ def apply(task: Any, p: Placement) -> Any:
     """Put `p` on a pipeline task (resources with the KFP SDK, the rest with kfp-kubernetes)."""
     from kfp import kubernetes
 
+    if p.image:
+        from components.core import images
+
+        named = {"trainer": images.TRAINER, "rollout": images.ROLLOUT, "sandbox": images.SANDBOX}
+        task.container_spec.image = named.get(p.image, p.image)
     if p.cpu:
         task.set_cpu_request(p.cpu).set_cpu_limit(p.cpu)
     if p.memory:

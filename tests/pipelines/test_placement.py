@@ -48,6 +48,10 @@ def test_h100_golden(tmp_path):
     assert "accelerator" not in execs["exec-sandbox-build"]["container"].get("resources", {})
     assert "nodeSelector" not in platform["exec-sandbox-build"]
     assert execs["exec-evaluate"]["container"]["resources"]["accelerator"]["resourceCount"] == "1"
+    # the phases that generate run in the image with vLLM (the h100 preset samples with it); the others do not
+    image = {k.removeprefix("exec-"): v["container"]["image"].rpartition("/")[2] for k, v in execs.items()}
+    assert {k for k, v in image.items() if v.startswith("rollout:")} == {"grpo", "rejection-sampling", "dpo", "evaluate"}
+    assert image["sft-warmup"].startswith("trainer:") and image["sandbox-build"].startswith("sandbox:")
     # no secret value is ever inlined: only names of Secrets and keys
     text = yaml.safe_dump(docs)
     assert "secretKey" in text and "aws_secret_access_key=" not in text.lower()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -89,6 +90,8 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.kv_reuse = kv_reuse
         self._sessions: dict[Any, _Cached] = {}
+        self._pool: OrderedDict[tuple[int, ...], _Cached] = OrderedDict()  # shared prompt prefixes, oldest first
+        self.pool_size = 32
         self.prefilled = 0  # tokens run through the model as prompt (what reuse saves), for benchmarks and tests
 
     # -- sessions ---------------------------------------------------------------------------------------------
@@ -96,6 +99,7 @@ class HFBackend:
         """Forget the caches of these sessions (all when None): an episode that finished, or a rollout's end."""
         if keys is None:
             self._sessions.clear()
+            self._pool.clear()
         for k in keys or []:
             self._sessions.pop(k, None)
 
@@ -114,6 +118,8 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         try:
+            if sessions is not None and self.kv_reuse:
+                self._share_prefixes(prompts, keys)
             for start in range(0, len(order), self.batch_size):
                 idx = order[start : start + self.batch_size]
                 res = self._batch([prompts[i] for i in idx], [keys[i] for i in idx], params, gen)
@@ -124,11 +130,10 @@ class HFBackend:
                 self.model.train()
         return out  # type: ignore[return-value]
 
-    def _batch(self, prompts: list[list[int]], keys: list[Any], params: SamplingParams, gen: Any) -> list[GenOutput]:
+    def _layout(self, prompts: list[list[int]], past: list[_Cached | None]):
+        """One batch: what each row has cached (left-padded to L) and its new tokens (left-padded to S)."""
         import torch
 
-        dev = self.device
-        past = [self._reusable(k, p) for k, p in zip(keys, prompts, strict=True)]
         lens = [c.length if c else 0 for c in past]
         new = [p[n:] for p, n in zip(prompts, lens, strict=True)]
         self.prefilled += sum(len(x) for x in new)
@@ -141,7 +146,16 @@ class HFBackend:
             mask[r, L - n:L] = 1
             mask[r, L + S - len(x):] = 1
             pos[r, S - len(x):] = torch.arange(n, n + len(x))
-        cache = _stack_caches(past, L, self.model, dev) if L else None
+        cache = _stack_caches(past, L, self.model, self.device) if L else None
+        return lens, new, L, S, ids, mask, pos, cache
+
+    def _batch(self, prompts: list[list[int]], keys: list[Any], params: SamplingParams, gen: Any) -> list[GenOutput]:
+        import torch
+
+        dev = self.device
+        past = [self._reusable(k, p) for k, p in zip(keys, prompts, strict=True)]
+        lens, new, L, S, ids, mask, pos, cache = self._layout(prompts, past)
+        B = len(prompts)
         warp = _warpers(params)
         steps, sampled, lps = [], [], []
         done = torch.zeros(B, dtype=torch.bool)
@@ -189,20 +203,58 @@ class HFBackend:
         return outs
 
     def _reusable(self, key: Any, prompt: list[int]) -> _Cached | None:
-        c = self._sessions.get(key) if key is not None else None
-        if c is None:
+        """The longest cached prefix of `prompt` (less its last token: a step needs an input): the episode's own cache,
+        or a prompt prefix that episodes share (`_pool`, at least MIN_SHARED tokens)."""
+        if key is None:
             return None
-        n = 0
-        for a, b in zip(c.ids, prompt, strict=False):  # the longest common prefix, less one: a turn needs an input
-            if a != b:
-                break
-            n += 1
-        n = min(n, len(prompt) - 1)
-        return c.cropped(n) if n > 0 else None
+        best, n = None, 0
+        own = self._sessions.get(key)
+        if own is not None:
+            best, n = own, min(_common(own.ids, prompt), len(prompt) - 1)
+        for c in self._pool.values():
+            m = min(_common(c.ids, prompt), len(prompt) - 1)
+            if m > n and m >= MIN_SHARED:
+                best, n = c, m
+        return best.cropped(n) if best is not None and n > 0 else None
+
+    def _share_prefixes(self, prompts: list[list[int]], keys: list[Any]) -> None:
+        """Before a batch: prompts that nothing cached covers, but that share a prefix with each other (the system
+        prompt with its tool catalogue; a group's samples of one task, identical), get that prefix prefilled once
+        and kept in `_pool`, so that each episode prefills only the rest."""
+        cold = [p for k, p in zip(keys, prompts, strict=True) if k is not None and self._reusable(k, p) is None]
+        if len(cold) < 2:
+            return
+        shared = cold[0][: min(_common(cold[0], p) for p in cold[1:])]
+        targets = [shared] if len(shared) > MIN_SHARED else []
+        seen: dict[tuple[int, ...], int] = {}
+        for p in cold:
+            seen[tuple(p)] = seen.get(tuple(p), 0) + 1
+        targets += [list(p)[:-1] for p, n in seen.items() if n > 1 and len(p) - 1 > len(shared)]
+        for group in ([t for t in targets if t is shared], [t for t in targets if t is not shared]):
+            for start in range(0, len(group), self.batch_size):
+                self._prefill_into_pool(group[start:start + self.batch_size])
+
+    def _prefill_into_pool(self, seqs: list[list[int]]) -> None:
+        import torch
+
+        if not seqs:
+            return
+        past = [self._reusable("pool", q) for q in seqs]
+        lens, new, L, S, ids, mask, pos, cache = self._layout(seqs, past)
+        with torch.no_grad():
+            cache = _cache_of(self._forward(ids.to(self.device), mask.to(self.device), pos.to(self.device), cache))
+        for r, q in enumerate(seqs):
+            cols = torch.cat([torch.arange(L - lens[r], L), torch.arange(L + S - len(new[r]), L + S)]).to(self.device)
+            self._pool[tuple(q)] = _Cached(list(q), _row_of(cache, r, cols))
+        while len(self._pool) > self.pool_size:
+            self._pool.popitem(last=False)
 
     def _forward(self, ids, mask, pos, cache):
-        kw = {_cache_kwarg(self.model): cache} if cache is not None else {}
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kw)
+        name, keep = _forward_args(self.model)
+        kw = {name: cache} if cache is not None else {}
+        if keep:
+            kw["logits_to_keep"] = 1  # the next token's logits only: no vocabulary projection of a whole prefill
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
 
     def sync(self, model: Any) -> None:
         if model is self.model:
@@ -230,6 +282,19 @@ class HFBackend:
         self.model.eval()
 
 
+MIN_SHARED = 16  # tokens: a shorter shared prefix is not worth a pass of its own
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class _Cached:
     """One session's KV: the ids run through the model and, per layer, keys and values (heads, len, dim)."""
@@ -247,12 +312,14 @@ class _Cached:
         return _Cached(self.ids[:n], [(k[:, :n], v[:, :n]) for k, v in self.layers])
 
 
-def _cache_kwarg(model: Any) -> str:
-    """`cache` (transformers >= 5.20) or `past_key_values` (earlier): the forward's name for the KV cache."""
+def _forward_args(model: Any) -> tuple[str, bool]:
+    """The forward's name for the KV cache — `cache` (transformers >= 5.20) or `past_key_values` — and whether it
+    takes `logits_to_keep`."""
     import inspect
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    params = inspect.signature(inner.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
 
 def _cache_of(res: Any) -> Any:

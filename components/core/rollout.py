@@ -178,7 +178,7 @@ def rollout(
             fill()
     finally:
         bar.close()
-        backend.end_sessions([ep.key for ep in live])
+        backend.end_sessions()  # nothing cached outlives the call: the weights may change before the next
         for sl in slots:
             if sl.env is not None and hasattr(sl.env, "close"):
                 sl.env.close()

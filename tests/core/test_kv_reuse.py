@@ -3,6 +3,8 @@ across its turns changes nothing but the work (same ids, same log-probs, a fract
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -75,7 +77,7 @@ def run_rollouts(policy, sandbox, kv_reuse, temperature):
                                max_live=16, progress=False)
     trajs = rollout(backend, lambda: WorkspaceEnv(world, cfg), ChatFormat(policy.tokenizer), suites["easy"][:12],
                     settings)
-    assert not backend._sessions  # every episode's cache is dropped when it ends
+    assert not backend._sessions and not backend._pool  # nothing cached outlives the rollout
     return trajs, backend.prefilled
 
 
@@ -114,3 +116,31 @@ def test_a_prompt_that_leaves_the_cached_path_is_prefilled_from_where_it_differs
     assert be.prefilled - before == len(forked) + len(cont) - len(forked[: len(p1) // 2])
     be.update_weights(policy.model)  # new weights: no cache survives
     assert not be._sessions
+
+
+def test_shared_prefixes_are_prefilled_once(policy, sandbox):
+    """A group's samples start from one prompt, and episodes share their system prompt: each shared prefix is
+    prefilled once; the samples are those of a backend that prefills everything."""
+    tok = policy.tokenizer
+    p1, p2, p3 = prompts_of(policy, sandbox, 3)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=5)
+    group = [p1, p1, p1, p1]
+    be = HFBackend(policy.model, tok, batch_size=8)
+    got = be.generate(group, sp, sessions=["a", "b", "c", "d"])
+    assert be.prefilled == len(p1) + 4  # the prompt once, then each sample's last token
+    ref = HFBackend(policy.model, tok, batch_size=8, kv_reuse=False).generate(group, sp)
+    for g, r in zip(got, ref, strict=True):
+        assert g.ids == r.ids and max(abs(a - b) for a, b in zip(g.logprobs, r.logprobs, strict=True)) < 1e-4
+    assert len({tuple(g.ids) for g in got}) > 1  # four samples, not one copied
+    # different tasks under one system prompt (a tool catalogue): that prompt once, the rest per episode
+    cfg, world, suites = sandbox
+    fmt, env = ChatFormat(tok), WorkspaceEnv(world, cfg)
+    system = "Tools: mail.search, mail.send, files.read, calendar.create, chat.post. Call finish when done."
+    p1, p2, p3 = (fmt.prompt_ids(system, env.reset(t)) for t in suites["easy"][:3])
+    be = HFBackend(policy.model, tok, batch_size=8)
+    common = min(len(os.path.commonprefix([p1, p2])), len(os.path.commonprefix([p1, p3])))
+    assert common >= 16
+    be.generate([p1, p2, p3], sp, sessions=["x", "y", "z"])
+    assert be.prefilled == common + sum(len(p) - common for p in (p1, p2, p3))
+    be.end_sessions()
+    assert not be._pool and not be._sessions

@@ -15,21 +15,10 @@ from components.core.schema import ModelCard, Trajectory, read_jsonl, write_json
 from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat, TemplateError
 from components.sandbox.env import WorkspaceEnv
-from tests.helpers.runtime import episode_ids, make_sandbox, tiny_on_sandbox
+from tests.helpers.runtime import episode_ids
 from tests.helpers.scripted import ScriptedBackend
 
 set_torch_threads(1)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    return make_sandbox()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, sandbox):
-    cfg, world, suites = sandbox
-    return tiny_on_sandbox(tmp_path_factory.mktemp("m") / "tiny", cfg, world, suites, n_demos=60)
 
 
 @pytest.fixture(scope="module")

@@ -10,3 +10,5 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.helpers.fixtures import sandbox, tiny  # noqa: E402, F401  (the runtime tests' sandbox and tiny model)

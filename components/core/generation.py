@@ -146,7 +146,7 @@ class HFBackend:
             mask[r, L - n:L] = 1
             mask[r, L + S - len(x):] = 1
             pos[r, S - len(x):] = torch.arange(n, n + len(x))
-        cache = _stack_caches(past, L, self.model, self.device) if L else None
+        cache = _stack_caches(past, L) if L else None
         return lens, new, L, S, ids, mask, pos, cache
 
     def _batch(self, prompts: list[list[int]], keys: list[Any], params: SamplingParams, gen: Any) -> list[GenOutput]:
@@ -157,7 +157,7 @@ class HFBackend:
         lens, new, L, S, ids, mask, pos, cache = self._layout(prompts, past)
         B = len(prompts)
         warp = _warpers(params)
-        steps, sampled, lps = [], [], []
+        sampled, lps = [], []
         done = torch.zeros(B, dtype=torch.bool)
         next_pos = pos[:, -1:] + 1
         x, m, p = ids.to(dev), mask.to(dev), pos.to(dev)
@@ -175,7 +175,6 @@ class HFBackend:
                 tok = torch.where(done.to(dev), torch.full_like(tok, self.pad_id), tok)
                 sampled.append(tok.cpu())
                 lps.append(logp.gather(1, tok[:, None])[:, 0].cpu())
-                steps.append(t)
                 done |= sampled[-1] == self.eos_id
                 if bool(done.all()) or t + 1 == params.max_new_tokens:
                     break
@@ -287,12 +286,7 @@ MIN_SHARED = 16  # tokens: a shorter shared prefix is not worth a pass of its ow
 
 def _common(a: list[int], b: list[int]) -> int:
     """The length of the longest common prefix."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))
 
 
 @dataclass
@@ -341,7 +335,7 @@ def _row_of(cache: Any, r: int, cols: Any) -> list[tuple[Any, Any]]:
     return [(k[r].index_select(1, cols), v[r].index_select(1, cols)) for k, v in _layers_of(cache)]
 
 
-def _stack_caches(past: list[_Cached | None], width: int, model: Any, device: str) -> Any:
+def _stack_caches(past: list[_Cached | None], width: int) -> Any:
     """Per-session caches, left-padded to `width` and stacked into one batch cache (padding is masked out)."""
     import torch
     from transformers.cache_utils import DynamicCache

@@ -68,7 +68,7 @@ bench: $(STAMP)
 
 ## Compiled pipeline YAML for upload to Kubeflow.
 compile: $(STAMP)
-	$(VENV)/bin/agentrl compile --pipeline all --placement h100 --output-dir pipelines/compiled $(ARGS)
+	$(VENV)/bin/agentrl compile --pipeline all --placement h100 --preset h100 --output-dir pipelines/compiled $(ARGS)
 
 IMAGE_REGISTRY ?= ghcr.io/agentrl
 IMAGE_TAG ?= 0.1.0

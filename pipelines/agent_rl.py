@@ -1,89 +1,94 @@
-"""The agentrl pipeline (DESIGN.md §1). It grows as the phases land; today:
-sandbox_build -> prepare -> sft_warmup -> grpo -> rejection_sampling -> dpo -> evaluate -> promote (if the
-gate says so). The training steps checkpoint under the parent run, so a KFP retry of a task resumes where it
-stopped.
+"""The agentrl pipeline (DESIGN.md §1):
+configure -> sandbox_build -> prepare -> sft_warmup -> grpo -> rejection_sampling -> dpo -> evaluate -> promote (if
+the gate says so). `configure` validates the whole run (preset, run form, overrides) before any work; each of
+sft_warmup, grpo, rejection_sampling and dpo can be switched off in the run form (`run_sft`, ...), and then passes
+its input model on (`dsl.If` / `dsl.Else` / `dsl.OneOf`). The training steps checkpoint under the parent run, so a
+KFP retry of a task resumes where it stopped.
 
-`build(plan)` makes the pipeline with a placement plan (pipelines/placement.py) applied to every task;
-`agent_rl` is the one with the `local` plan (kfp.local, nothing cluster-specific).
+`build(plan, preset)` makes the pipeline with a placement plan (pipelines/placement.py) applied to every task and
+the run form's defaults taken from `preset`; `agent_rl` is the one with the `local` plan and the tiny preset
+(kfp.local, nothing cluster-specific).
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 from kfp import dsl
 
 from components.dpo.component import dpo
 from components.evaluation.component import evaluate, promote
 from components.grpo.component import grpo
-from components.prepare.component import prepare
+from components.prepare.component import configure, prepare, skip_phase
+from components.prepare.form import SWITCHES
 from components.rejection_sampling.component import rejection_sampling
 from components.sandbox.component import sandbox_build
 from components.sft.component import sft_warmup
 from pipelines.placement import Placement, load_plan, placer
+from pipelines.run_form import form_pipeline
 
 
-def dpo_evaluate_promote(place, preset, overrides, parent, policy, ab_logs_uri, world, tasks) -> None:
-    """The tail both pipelines share: DPO on A/B logs, evaluation, promotion behind the gate."""
-    pref = place(dpo(
-        preset=preset, overrides=overrides, parent_run_id=parent, ab_logs_uri=ab_logs_uri, policy=policy,
-        world=world, tasks=tasks,
-    ), "dpo")
-    ev = place(evaluate(
-        preset=preset, overrides=overrides, parent_run_id=parent, model=pref.outputs["model"], world=world,
-        tasks=tasks,
-    ), "evaluate")
+def configured(place, p: SimpleNamespace, pipeline: str):
+    """The first task: validates the run and gives the overrides every phase gets."""
+    return place(configure(preset=p.preset, overrides=p.overrides, form=p.form_json, shown=p.form_shown,
+                           pipeline=pipeline), "configure")
+
+
+def switched(place, on: Any, phase: str, ctx: dict[str, Any], policy: Any, task: Callable[[], Any]) -> Any:
+    """`task()` when the run-form switch `on` is true, else a pass-through of `policy`; the model either gives."""
+    switch, mlflow_phase = SWITCHES[phase]
+    with dsl.If(on == True, name=f"{phase}-on"):  # noqa: E712 - a KFP condition
+        ran = place(task(), phase)
+    with dsl.Else(name=f"{phase}-off"):
+        skipped = place(skip_phase(phase=mlflow_phase, switch=switch, preset=ctx["preset"], overrides=ctx["overrides"],
+                                   parent_run_id=ctx["parent_run_id"], policy=policy), "skip_phase")
+        skipped.set_display_name(f"{phase} (skipped)")
+    return dsl.OneOf(ran.outputs["model"], skipped.outputs["model"])
+
+
+def dpo_evaluate_promote(place, ctx: dict[str, Any], policy: Any, ab_logs_uri: Any, world: Any, tasks: Any,
+                         run_dpo: Any = None) -> None:
+    """The tail both pipelines share: DPO on A/B logs (switchable), evaluation, promotion behind the gate."""
+    def dpo_task():
+        return dpo(**ctx, ab_logs_uri=ab_logs_uri, policy=policy, world=world, tasks=tasks)
+
+    model = switched(place, run_dpo, "dpo", ctx, policy, dpo_task) if run_dpo is not None else \
+        place(dpo_task(), "dpo").outputs["model"]
+    ev = place(evaluate(**ctx, model=model, world=world, tasks=tasks), "evaluate")
     with dsl.If(ev.outputs["promote"] == True, name="gate-passed"):  # noqa: E712 - a KFP condition
-        place(promote(version=ev.outputs["version"], overrides=overrides), "promote")
+        place(promote(version=ev.outputs["version"], overrides=ctx["overrides"]), "promote")
 
 
-def build(plan: dict[str, Placement]):
+def build(plan: dict[str, Placement], preset: str = "tiny"):
     place = placer(plan)
 
-    @dsl.pipeline(
-        name="agentrl",
+    @form_pipeline(
+        "agent_rl", preset, name="agentrl",
         description="Turn a base LLM into a tool-using agent: SFT warmup, sandbox, GRPO, rejection sampling, "
         "DPO from A/B data, evaluation and promotion.",
     )
-    def agent_rl(
-        base_model_uri: str = "",
-        preset: str = "tiny",
-        overrides: str = "",
-        experiment: str = "agentrl",
-        parent_run_id: str = "",
-        dpo_ab_logs_uri: str = "",
-    ):
-        """agentrl end to end.
-
-        Args:
-            base_model_uri: the model to start from: a Hugging Face directory on the node, an s3:// prefix (any
-                tool's upload), a .gguf file or 'smollm2-135m-instruct';
-                empty = the preset's (the tiny preset builds its own model locally).
-            preset: 'tiny' (CPU, minutes), 'small' (SmolLM2-135M-Instruct, CPU or one GPU) or 'h100' (cluster defaults).
-            overrides: JSON object of config overrides, e.g. {"grpo": {"group_size": 16}}.
-            experiment: MLflow experiment name.
-            parent_run_id: an MLflow run to nest under; empty = create one (or use the KFP MLflow plugin's).
-            dpo_ab_logs_uri: A/B deployment logs (ABRecord JSONL: a file, directory or s3:// prefix) for DPO;
-                empty = simulate the A/B deployment in the sandbox.
-        """
+    def agent_rl(p: SimpleNamespace):
+        """agentrl end to end."""
+        overrides = configured(place, p, "agent_rl").outputs["overrides"]
         # The sandbox comes first: it is cheap, and its text is the embedded tokenizer's corpus.
-        sandbox = place(sandbox_build(preset=preset, overrides=overrides, parent_run_id=parent_run_id),
+        sandbox = place(sandbox_build(preset=p.preset, overrides=overrides, parent_run_id=p.parent_run_id),
                         "sandbox_build")
         prep = place(prepare(
-            preset=preset, overrides=overrides, base_model_uri=base_model_uri, experiment=experiment,
+            preset=p.preset, overrides=overrides, base_model_uri=p.base_model_uri, experiment=p.experiment,
             parent_run_id=sandbox.outputs["parent_run_id"], corpus=sandbox.outputs["corpus"],
         ), "prepare")
-        parent = sandbox.outputs["parent_run_id"]
+        ctx = dict(preset=p.preset, overrides=overrides, parent_run_id=sandbox.outputs["parent_run_id"])
         world, tasks = sandbox.outputs["world"], sandbox.outputs["tasks"]
-        sft = place(sft_warmup(
-            preset=preset, overrides=overrides, parent_run_id=parent, base_model=prep.outputs["base_model"],
-            demos=sandbox.outputs["demos"], world=world, tasks=tasks,
-        ), "sft_warmup")
-        rl = place(grpo(
-            preset=preset, overrides=overrides, parent_run_id=parent, policy=sft.outputs["model"], world=world,
-            tasks=tasks,
-        ), "grpo")
-        rs = place(rejection_sampling(
-            preset=preset, overrides=overrides, parent_run_id=parent, policy=rl.outputs["model"], world=world,
-            tasks=tasks,
-        ), "rejection_sampling")
-        dpo_evaluate_promote(place, preset, overrides, parent, rs.outputs["model"], dpo_ab_logs_uri, world, tasks)
+        base = prep.outputs["base_model"]
+        sft = switched(place, p.run_sft, "sft_warmup", ctx, base, lambda: sft_warmup(
+            **ctx, base_model=base, demos=sandbox.outputs["demos"], world=world, tasks=tasks))
+        rl = switched(place, p.run_grpo, "grpo", ctx, sft, lambda: grpo(
+            **ctx, policy=sft, world=world, tasks=tasks))
+        rs = switched(place, p.run_rejection_sampling, "rejection_sampling", ctx, rl, lambda: rejection_sampling(
+            **ctx, policy=rl, world=world, tasks=tasks))
+        dpo_evaluate_promote(place, ctx, rs, p.dpo_ab_logs_uri, world, tasks, run_dpo=p.run_dpo)
 
     return agent_rl
 

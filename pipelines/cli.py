@@ -52,9 +52,10 @@ def _phase_summary(tracking_uri: str, parent_run_id: str) -> dict:
     for r in sorted(runs, key=lambda r: r.info.start_time):
         phase = r.data.tags.get("agentrl.phase", r.info.run_name)
         end = r.info.end_time or int(time.time() * 1000)
+        skipped = r.data.tags.get("agentrl.skipped") == "true"
         phases[phase] = {
             "run_id": r.info.run_id,
-            "status": r.info.status,
+            "status": "SKIPPED" if skipped and r.info.status == "FINISHED" else r.info.status,
             "wall_s": round((end - r.info.start_time) / 1000, 2),
             "metrics": {k.split("/", 1)[-1]: v for k, v in sorted(r.data.metrics.items())},
         }
@@ -63,21 +64,44 @@ def _phase_summary(tracking_uri: str, parent_run_id: str) -> dict:
     return phases
 
 
+def _switches(pairs: list[str]) -> dict[str, bool]:
+    """`agentrl run --param run_dpo=false`: the run form's phase switches (config fields go through --set)."""
+    from components.prepare.form import KNOBS, SWITCHES
+
+    known = {switch for switch, _ in SWITCHES.values()}
+    paths = {k.name: k.path for k in KNOBS}
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if key in paths:
+            raise ValueError(f"--param {key}: a config field here; use --set {paths[key]}={value}")
+        if not sep or key not in known:
+            raise ValueError(f"--param {pair!r}: expected NAME=true|false with NAME one of {sorted(known)}")
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"--param {key}={value}: expected true or false")
+        out[key] = value.lower() == "true"
+    return out
+
+
 def cmd_run(args) -> int:
     """The pipeline through kfp.local (subprocess runner, the current environment)."""
-    from kfp import local
-
     from components.core.tracking import end_run, resolve_tracking_uri, start_pipeline_run
+    from pipelines import local
     from pipelines.agent_rl import agent_rl
 
     cfg = _resolve(args)  # validated before anything starts
+    try:
+        switches = _switches(args.param or [])
+    except ValueError as exc:
+        print(f"agentrl run: {exc}", file=sys.stderr)
+        return 2
     home = _home(cfg)
     cfg.run.home = str(home)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri, home)
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     root = home / "pipeline_root"
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root))
+    local.init(root)
 
     parent_id = start_pipeline_run(tracking_uri, cfg.tracking.experiment, "agentrl-local",
                                    tags={"agentrl.runner": "kfp.local", "agentrl.preset": cfg.preset})
@@ -85,7 +109,7 @@ def cmd_run(args) -> int:
     status = "FAILED"
     try:
         agent_rl(preset=cfg.preset, overrides=json.dumps(cfg.to_dict()), experiment=cfg.tracking.experiment,
-                 parent_run_id=parent_id)
+                 parent_run_id=parent_id, **switches)
         status = "FINISHED"
     except RuntimeError as exc:
         # kfp.local's message carries ANSI colours; the component's traceback was streamed above
@@ -165,13 +189,13 @@ def cmd_model_import(args) -> int:
 PIPELINES = ("agent_rl", "retrain")
 
 
-def _compile_to(name: str, plan, out: Path) -> Path:
+def _compile_to(name: str, plan, out: Path, preset: str) -> Path:
     from importlib import import_module
 
     from kfp import compiler
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(import_module(f"pipelines.{name}").build(plan), str(out))
+    compiler.Compiler().compile(import_module(f"pipelines.{name}").build(plan, preset), str(out))
     return out
 
 
@@ -179,6 +203,11 @@ def _plan(args):
     from pipelines.placement import load_plan
 
     return load_plan(args.placement, args.placement_file)
+
+
+def _form_preset(args) -> str:
+    """The preset whose values the run form shows: --preset, else h100 for the cluster plan, else tiny."""
+    return args.preset or ("h100" if args.placement == "h100" else "tiny")
 
 
 def cmd_compile(args) -> int:
@@ -190,9 +219,9 @@ def cmd_compile(args) -> int:
     names = PIPELINES if args.pipeline == "all" else (args.pipeline,)
     for name in names:
         out = Path(args.output) if args.output and len(names) == 1 else Path(args.output_dir) / f"{name}.yaml"
-        _compile_to(name, plan, out)
+        _compile_to(name, plan, out, _form_preset(args))
         extra = f" + {args.placement_file}" if args.placement_file else ""
-        print(f"compiled {out} (placement {args.placement}{extra})")
+        print(f"compiled {out} (placement {args.placement}{extra}, run form defaults of preset {_form_preset(args)})")
     return 0
 
 
@@ -213,12 +242,32 @@ def _kfp_client(args):
 
 
 def _arguments(args) -> dict:
+    """--param NAME=VALUE pairs as the run form's typed values (KFP refuses '50' for an integer parameter)."""
+    import yaml
+
+    from pipelines.run_form import params
+
+    types = {p.name: p.type for p in params(args.pipeline, _form_preset(args))}
     out = {}
     for pair in args.param or []:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ValueError(f"--param {pair!r}: expected NAME=VALUE")
-        out[key] = value
+        if key not in types:
+            raise ValueError(f"--param {key}: not a parameter of {args.pipeline}; expected one of {sorted(types)}")
+        kind = types[key]
+        if kind is str:
+            out[key] = value
+            continue
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = yaml.safe_load(value)  # true/false/[easy, hard]
+        if kind is float and isinstance(parsed, int) and not isinstance(parsed, bool):
+            parsed = float(parsed)
+        if not isinstance(parsed, kind) or (kind is int and isinstance(parsed, bool)):
+            raise ValueError(f"--param {key}={value}: expected {kind.__name__}")
+        out[key] = parsed
     if args.overrides:
         json.loads(args.overrides)  # a clear error before anything is sent
         out["overrides"] = args.overrides
@@ -234,7 +283,7 @@ def cmd_submit(args) -> int:
         print(f"agentrl submit: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as d:
-        pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml")
+        pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml", _form_preset(args))
         res = _kfp_client(args).create_run_from_pipeline_package(
             str(pkg), arguments=params, run_name=args.run_name, experiment_name=args.experiment)
     print(f"submitted run {res.run_id} to {args.host}")
@@ -260,7 +309,7 @@ def cmd_schedule(args) -> int:
         client.delete_recurring_run(old.recurring_run_id)
         print(f"replaced schedule {old.recurring_run_id}")
     with tempfile.TemporaryDirectory() as d:
-        pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml")
+        pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml", _form_preset(args))
         job = client.create_recurring_run(exp.experiment_id, args.name, cron_expression=cron, params=params,
                                           pipeline_package_path=str(pkg), max_concurrency=1, no_catchup=True)
     print(f"scheduled {args.pipeline} as {job.recurring_run_id} ({cron!r}, KFP's seconds-first cron)")
@@ -282,7 +331,7 @@ def cmd_upload(args) -> int:
     names = PIPELINES if args.pipeline == "all" else (args.pipeline,)
     with tempfile.TemporaryDirectory() as d:
         for name in names:
-            pkg = _compile_to(name, plan, Path(d) / f"{name}.yaml")
+            pkg = _compile_to(name, plan, Path(d) / f"{name}.yaml", _form_preset(args))
             display = f"agentrl-{name.replace('_', '-')}"
             pid = client.get_pipeline_id(display)
             if pid is None:
@@ -352,6 +401,9 @@ def cmd_sandbox_serve(args) -> int:
 def _placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="h100", help="placement plan: 'h100' (cluster) or 'local' (nothing applied)")
     p.add_argument("--placement-file", default=None, help="YAML overrides of the plan (keys 'defaults', 'phases')")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="the preset whose values the run form shows as defaults (default: h100 for the h100 "
+                   "placement, tiny for local)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run the pipeline locally on the embedded default (kfp.local)")
     _config_args(p)
+    p.add_argument("--param", action="append", metavar="NAME=VALUE",
+                   help="a phase switch of the run form, e.g. --param run_dpo=false (repeatable)")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("config", help="print the resolved, validated config")
     _config_args(p)

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-PHASES = ("sandbox_build", "prepare", "champion", "sft_warmup", "grpo", "rejection_sampling", "dpo", "evaluate",
-          "promote")
+PHASES = ("configure", "sandbox_build", "prepare", "champion", "sft_warmup", "grpo", "rejection_sampling", "dpo", "evaluate",
+          "promote", "skip_phase")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ PLANS: dict[str, dict[str, dict[str, Any]]] = {
     "local": {},
     "h100": {
         "defaults": {"secrets": _SECRETS},
+        "configure": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 2},
         "sandbox_build": {"cpu": "8", "memory": "32Gi", "timeout_s": 3600, "retries": 2},
         "prepare": {"cpu": "8", "memory": "64Gi", "cache_pvc": "agentrl-model-cache", "timeout_s": 7200, "retries": 2},
         "sft_warmup": dict(_TRAIN, timeout_s=24 * 3600),
@@ -61,6 +62,8 @@ PLANS: dict[str, dict[str, dict[str, Any]]] = {
                          timeout_s=6 * 3600, retries=2),
         "champion": {"cpu": "2", "memory": "16Gi", "cache_pvc": "agentrl-model-cache", "timeout_s": 3600, "retries": 3},
         "promote": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 3},
+        # a switched-off phase hands its input model on (a copy through the pipeline root)
+        "skip_phase": {"cpu": "2", "memory": "8Gi", "timeout_s": 3 * 3600, "retries": 2},
     },
 }
 

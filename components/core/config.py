@@ -31,7 +31,11 @@ __all__ = [
     "PRESETS",
     "load_config",
     "parse_set",
+    "deep_merge",
     "flatten",
+    "lookup",
+    "nest",
+    "preset_values",
 ]
 
 
@@ -682,11 +686,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------------------------
 # Loading: defaults <- preset <- files <- JSON overrides <- --set pairs, then one validation
 # --------------------------------------------------------------------------------------------
-def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in update.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -811,11 +815,16 @@ def load_config(
     files: Iterable[str | Path] = (),
     overrides_json: str | Mapping[str, Any] | None = None,
     set_pairs: Iterable[str] = (),
+    named_layers: Iterable[tuple[str, Mapping[str, Any]]] = (),
 ) -> PipelineConfig:
-    """Resolve and validate the pipeline config. Raises ConfigError naming field, value and expectation."""
+    """Resolve and validate the pipeline config. Raises ConfigError naming field, value and expectation.
+
+    Layers land in this order, each validated as it lands: files, `named_layers` ((source, mapping) pairs, e.g.
+    the run form's parameters, each named in its errors), the JSON overrides, the --set pairs."""
     layers: list[tuple[str, dict[str, Any]]] = []
     for f in files:
         layers.append((str(f), _read_yaml(f)))
+    layers += [(source, dict(layer)) for source, layer in named_layers]
     if overrides_json:
         if isinstance(overrides_json, str):
             try:
@@ -839,13 +848,37 @@ def load_config(
     chosen = chosen or "tiny"
     if chosen not in PRESETS:
         raise ConfigError(f"preset = {chosen!r}: expected one of {sorted(PRESETS)}")
-    merged: dict[str, Any] = _deep_merge({"preset": chosen}, PRESETS[chosen])
+    merged: dict[str, Any] = deep_merge({"preset": chosen}, PRESETS[chosen])
     for source, layer in layers:
         layer = {k: v for k, v in layer.items() if k != "preset"}
-        merged = _deep_merge(merged, layer)
+        merged = deep_merge(merged, layer)
         # validate each layer as it lands so an error names the layer that introduced it
         _validate(merged, source)
     return _validate(merged, None)
+
+
+def preset_values(preset: str) -> dict[str, Any]:
+    """The field values a preset sets, on the defaults, as a nested dict (not cross-validated: the h100 preset
+    has no base model of its own, which the user gives)."""
+    if preset not in PRESETS:
+        raise ConfigError(f"preset = {preset!r}: expected one of {sorted(PRESETS)}")
+    return deep_merge(PipelineConfig().to_dict(), PRESETS[preset])
+
+
+def lookup(data: Mapping[str, Any], path: str) -> Any:
+    """`lookup(cfg_dict, 'grpo.sage.enabled')`: the value at a dotted path."""
+    node: Any = data
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def nest(path: str, value: Any) -> dict[str, Any]:
+    """`nest('grpo.steps', 5)` -> {'grpo': {'steps': 5}}."""
+    out: Any = value
+    for part in reversed(path.split(".")):
+        out = {part: out}
+    return out
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

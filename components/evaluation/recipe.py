@@ -86,9 +86,13 @@ def run(
             tracker.log_metrics({f"delta/{k}": v for k, v in d.items()}, step=0)
         decision = decide(cand["metrics"], base["metrics"] if base else None, cfg.eval.gate)
 
-        progress = phase_progress(_sibling_runs(tracker)) | {PHASE: {k: v for k, v in flat(cand["metrics"]).items()
-                                                                    if k.split("/")[-1] in PROGRESS_METRICS}}
-        html = render_report(cand, base, decision, baseline_name, d, progress)
+        siblings = _sibling_runs(tracker)
+        skipped = {phase: why for phase, _, why in siblings if why}
+        if skipped:
+            tracker.set_tags({"agentrl.skipped_phases": ", ".join(skipped)})
+        progress = phase_progress([(phase, m) for phase, m, why in siblings if not why]) | {
+            PHASE: {k: v for k, v in flat(cand["metrics"]).items() if k.split("/")[-1] in PROGRESS_METRICS}}
+        html = render_report(cand, base, decision, baseline_name, d, progress, skipped)
         report = Path(report_out) if report_out else work / "report.html"
         report.write_text(html)
         (work / "metrics.json").write_text(json.dumps({"candidate": cand["metrics"],
@@ -101,13 +105,15 @@ def run(
                           decision, str(mv.version), str(report), flat(cand["metrics"]))
 
 
-def _sibling_runs(tracker: PhaseRun) -> list[tuple[str, dict[str, float]]]:
-    """(phase, latest metrics) of the earlier phase runs under the same pipeline run, oldest first."""
+def _sibling_runs(tracker: PhaseRun) -> list[tuple[str, dict[str, float], str | None]]:
+    """(phase, latest metrics, why it was skipped or None) of the earlier phase runs under the same pipeline run,
+    oldest first."""
     if not tracker.parent_run_id:
         return []
     runs = tracker.client.search_runs([tracker.experiment_id],
                                       filter_string=f"tags.mlflow.parentRunId = '{tracker.parent_run_id}'")
-    return [(r.data.tags.get("agentrl.phase", r.info.run_name), dict(r.data.metrics))
+    return [(r.data.tags.get("agentrl.phase", r.info.run_name), dict(r.data.metrics),
+             r.data.tags.get("agentrl.skipped_by") if r.data.tags.get("agentrl.skipped") == "true" else None)
             for r in sorted(runs, key=lambda r: r.info.start_time) if r.info.run_id != tracker.run_id]
 
 

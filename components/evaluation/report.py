@@ -63,12 +63,16 @@ def phase_progress(runs: list[tuple[str, dict[str, float]]]) -> dict[str, dict[s
 
 
 def render_report(cand: dict[str, Any], base: dict[str, Any] | None, decision: Decision, baseline_name: str | None,
-                  deltas: dict[str, float], progress: dict[str, dict[str, float]] | None = None) -> str:
+                  deltas: dict[str, float], progress: dict[str, dict[str, float]] | None = None,
+                  skipped: dict[str, str] | None = None) -> str:
     rep = Report("agentrl evaluation")
     rep.heading("Gate decision")
     rep.text(("PROMOTE to champion" if decision.promote else "challenger only (not promoted)") +
              (f" — baseline: {baseline_name}" if baseline_name else " — no baseline"))
     rep.table(["reason"], [[r] for r in decision.reasons])
+    if skipped:
+        rep.heading("Phases skipped in this pipeline run")
+        rep.table(["phase", "switched off by"], [[phase, why] for phase, why in skipped.items()])
     suites = list(cand["metrics"])
     for metric in ("tgc", "safety_violation_rate", "valid_action_rate"):
         series = {"candidate": [cand["metrics"][s][metric]["value"] for s in suites]}

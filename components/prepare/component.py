@@ -1,4 +1,6 @@
-"""KFP wrapper for `prepare`: the body only imports the phase and calls `run`."""
+"""KFP wrappers for the pipeline's set-up steps: `configure` (validates the run form and the overrides before any
+work), `prepare` (the base model) and `skip_phase` (a phase switched off in the run form). Each body only imports
+its module and calls it."""
 
 from typing import NamedTuple
 
@@ -29,3 +31,36 @@ def prepare(
               config_out=resolved_config.path, parent_run_id=parent_run_id, corpus=corpus.path)
     base_model.metadata.update({"uri": res.model_uri, **res.metrics})
     return namedtuple("PrepareOutputs", ["parent_run_id", "model_uri"])(res.parent_run_id, res.model_uri)
+
+
+@dsl.component(base_image=images.SANDBOX, install_kfp_package=False)
+def configure(preset: str, overrides: str, form: str, shown: str, pipeline: str) -> NamedTuple(
+        "ConfigureOutputs", [("overrides", str)]):
+    """The pipeline's first step: validate the run (preset, run-form parameters, overrides) before any work, and
+    hand every phase one overrides object (the changed run-form parameters with `overrides` on top)."""
+    from collections import namedtuple
+
+    from components.prepare.form import resolve
+
+    cfg, merged, changed = resolve(preset, overrides, form, shown, pipeline)
+    print(f"configure: valid; preset {cfg.preset}; run-form parameters changed: {', '.join(changed) or 'none'}; "
+          f"overrides: {len(overrides)} characters")
+    return namedtuple("ConfigureOutputs", ["overrides"])(merged)
+
+
+@dsl.component(base_image=images.SANDBOX, install_kfp_package=False)
+def skip_phase(
+    phase: str,
+    switch: str,
+    preset: str,
+    overrides: str,
+    parent_run_id: str,
+    policy: Input[Model],
+    model: Output[Model],
+):
+    """A phase switched off in the run form: pass the incoming model on; MLflow records the phase as skipped."""
+    from components.prepare.skip import run
+
+    res = run(phase, switch, preset=preset, overrides=overrides, policy=policy.path, model_out=model.path,
+              parent_run_id=parent_run_id)
+    model.metadata.update({**policy.metadata, "skipped": phase, "skip_run_id": res.run_id})

@@ -16,24 +16,38 @@ def test_config_prints_resolved_and_rejects_typos(capsys):
     assert "did you mean 'group_size'" in capsys.readouterr().err
 
 
+def _switched_phase(spec: dict, branches: str) -> tuple[str, str]:
+    """(the phase task, the pass-through task) of a `condition-branches-N` task of the root DAG."""
+    conditions = spec["components"][f"comp-{branches}"]["dag"]["tasks"]
+    inner = [t for c in conditions.values() for t in spec["components"][c["componentRef"]["name"]]["dag"]["tasks"]]
+    phase = [t for t in inner if not t.startswith("skip-phase")]
+    skip = [t for t in inner if t.startswith("skip-phase")]
+    assert len(phase) == len(skip) == 1, inner
+    return phase[0], skip[0]
+
+
 def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
     out = tmp_path / "p.yaml"
     assert main(["compile", "-o", str(out)]) == 0
     docs = list(yaml.safe_load_all(out.read_text()))
     spec = docs[0]
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert {"base_model_uri", "preset", "overrides", "experiment", "parent_run_id"} <= set(params)
+    assert {"base_model_uri", "preset", "overrides", "experiment", "parent_run_id", "dpo_ab_logs_uri"} <= set(params)
     tasks = spec["root"]["dag"]["tasks"]
-    assert {"prepare", "sandbox-build", "sft-warmup", "grpo", "rejection-sampling", "dpo", "evaluate",
-            "condition-1"} <= set(tasks)
-    assert "dpo_ab_logs_uri" in params
-    assert tasks["prepare"]["dependentTasks"] == ["sandbox-build"]
-    assert sorted(tasks["sft-warmup"]["dependentTasks"]) == ["prepare", "sandbox-build"]
-    assert sorted(tasks["grpo"]["dependentTasks"]) == ["sandbox-build", "sft-warmup"]
-    assert sorted(tasks["rejection-sampling"]["dependentTasks"]) == ["grpo", "sandbox-build"]
-    assert sorted(tasks["dpo"]["dependentTasks"]) == ["rejection-sampling", "sandbox-build"]
-    assert sorted(tasks["evaluate"]["dependentTasks"]) == ["dpo", "sandbox-build"]
-    assert "promote" in json.dumps(spec["root"]["dag"]["tasks"]["condition-1"])
+    # configure -> sandbox-build -> prepare -> [sft | skip] -> [grpo | skip] -> [rs | skip] -> [dpo | skip] -> evaluate
+    assert "dependentTasks" not in tasks["configure"]
+    assert tasks["sandbox-build"]["dependentTasks"] == ["configure"]
+    assert sorted(tasks["prepare"]["dependentTasks"]) == ["configure", "sandbox-build"]
+    order, previous = [], "prepare"
+    for _ in range(4):
+        (branches,) = [n for n, t in tasks.items() if n.startswith("condition-branches")
+                       and previous in t.get("dependentTasks", [])]
+        order.append(_switched_phase(spec, branches)[0])
+        previous = branches
+    assert order == ["sft-warmup", "grpo", "rejection-sampling", "dpo"]
+    assert previous in tasks["evaluate"]["dependentTasks"]
+    gate = [t for n, t in tasks.items() if n.startswith("condition-") and not n.startswith("condition-branches")]
+    assert len(gate) == 1 and "evaluate-promote" in json.dumps(gate[0]["triggerPolicy"])
     images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
     # the default plan is h100: the phases that generate run in the image with vLLM
     assert images == {"ghcr.io/agentrl/trainer:0.1.0", "ghcr.io/agentrl/rollout:0.1.0", "ghcr.io/agentrl/sandbox:0.1.0"}

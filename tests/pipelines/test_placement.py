@@ -25,11 +25,17 @@ def _normalise(text: str) -> str:  # the SDK version line moves with every KFP r
     return "\n".join(x for x in text.splitlines() if not x.strip().startswith("sdkVersion:"))
 
 
+def all_tasks(spec: dict) -> dict[str, dict]:
+    """Every task of a compiled pipeline, the ones inside condition branches too."""
+    dags = [spec["root"]["dag"], *(c["dag"] for c in spec["components"].values() if "dag" in c)]
+    return {name: t for d in dags for name, t in d["tasks"].items()}
+
+
 def test_h100_golden(tmp_path):
     docs = list(yaml.safe_load_all(_compile(tmp_path, "--placement", "h100")))
     spec, platform = docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     execs = spec["deploymentSpec"]["executors"]
-    tasks = spec["root"]["dag"]["tasks"]
+    tasks = all_tasks(spec)
     for name in TRAINING:
         res = execs[f"exec-{name}"]["container"]["resources"]
         assert res["accelerator"]["resourceCount"] == "8" and res["accelerator"]["resourceType"] == "nvidia.com/gpu"
@@ -52,6 +58,9 @@ def test_h100_golden(tmp_path):
     image = {k.removeprefix("exec-"): v["container"]["image"].rpartition("/")[2] for k, v in execs.items()}
     assert {k for k, v in image.items() if v.startswith("rollout:")} == {"grpo", "rejection-sampling", "dpo", "evaluate"}
     assert image["sft-warmup"].startswith("trainer:") and image["sandbox-build"].startswith("sandbox:")
+    # the run form's steps are small CPU pods
+    assert image["configure"].startswith("sandbox:") and image["skip-phase"].startswith("sandbox:")
+    assert "accelerator" not in execs["exec-configure"]["container"]["resources"]
     # no secret value is ever inlined: only names of Secrets and keys
     text = yaml.safe_dump(docs)
     assert "secretKey" in text and "aws_secret_access_key=" not in text.lower()

@@ -10,6 +10,7 @@ import yaml
 
 from pipelines.cli import cron_to_kfp, main
 from tests.helpers.kfp_api import KFPRecorder
+from tests.pipelines.test_placement import all_tasks
 
 
 def _posts(k: KFPRecorder, suffix: str) -> list[dict]:
@@ -19,13 +20,19 @@ def _posts(k: KFPRecorder, suffix: str) -> list[dict]:
 def test_submit_sends_the_compiled_pipeline_with_parameters_and_placement():
     with KFPRecorder() as k:
         assert main(["submit", "--host", k.url, "--param", "dpo_ab_logs_uri=s3://b/ab/", "--run-name", "nightly",
-                     "--overrides", '{"sft": {"epochs": 1}}']) == 0
+                     "--param", "base_model_uri=s3://b/models/base/", "--param", "grpo_steps=50",
+                     "--param", "sage=true", "--param", "eval_suites=[easy, hard]", "--param", "grpo_learning_rate=2e-6",
+                     "--param", "run_dpo=false", "--overrides", '{"sft": {"epochs": 1}}']) == 0
     (run,) = _posts(k, "/apis/v2beta1/runs")
     assert run["display_name"] == "nightly"
-    assert run["runtime_config"]["parameters"] == {"dpo_ab_logs_uri": "s3://b/ab/", "overrides": '{"sft": {"epochs": 1}}'}
+    # typed values reach KFP as the run form's types, not as text
+    assert run["runtime_config"]["parameters"] == {
+        "dpo_ab_logs_uri": "s3://b/ab/", "base_model_uri": "s3://b/models/base/", "grpo_steps": 50, "sage": True,
+        "eval_suites": ["easy", "hard"], "grpo_learning_rate": 2e-6, "run_dpo": False,
+        "overrides": '{"sft": {"epochs": 1}}'}
     spec, platform = run["pipeline_spec"]["pipeline_spec"], run["pipeline_spec"]["platform_spec"]
     assert spec["pipelineInfo"]["name"] == "agentrl"
-    assert {"sft-warmup", "rejection-sampling", "dpo", "evaluate"} <= set(spec["root"]["dag"]["tasks"])
+    assert {"sft-warmup", "rejection-sampling", "dpo", "evaluate"} <= set(all_tasks(spec))
     sft = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-sft-warmup"]
     assert sft["nodeSelector"]["labels"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     (exp,) = _posts(k, "/apis/v2beta1/experiments")
@@ -54,6 +61,10 @@ def test_bad_input_is_refused_before_anything_is_sent(capsys):
         assert main(["submit", "--host", k.url, "--overrides", "{not json"]) == 2
         assert main(["submit", "--host", k.url, "--param", "novalue"]) == 2
         assert "NAME=VALUE" in capsys.readouterr().err
+        assert main(["submit", "--host", k.url, "--param", "grpo_steps=many"]) == 2
+        assert "grpo_steps=many: expected int" in capsys.readouterr().err
+        assert main(["submit", "--host", k.url, "--param", "grpo_stepz=5"]) == 2
+        assert "not a parameter of agent_rl" in capsys.readouterr().err
     assert k.requests == []
     with pytest.raises(ValueError):
         cron_to_kfp("* * *")
@@ -63,8 +74,8 @@ def test_retrain_pipeline_shape(tmp_path):
     assert main(["compile", "--pipeline", "retrain", "-o", str(tmp_path / "r.yaml")]) == 0
     spec = next(yaml.safe_load_all((tmp_path / "r.yaml").read_text()))
     tasks = spec["root"]["dag"]["tasks"]
-    assert set(tasks) == {"sandbox-build", "champion", "condition-branches-1"}
-    assert sorted(tasks["condition-branches-1"]["dependentTasks"]) == ["champion", "sandbox-build"]
+    assert set(tasks) == {"configure", "sandbox-build", "champion", "condition-branches-1"}
+    assert sorted(tasks["condition-branches-1"]["dependentTasks"]) == ["champion", "configure", "sandbox-build"]
     comps = spec["components"]
     branches = [set(comps[f"comp-{b}"]["dag"]["tasks"]) for b in comps["comp-condition-branches-1"]["dag"]["tasks"]]
     # with the refresh: grpo -> dpo -> evaluate (-> promote); without: dpo -> evaluate (-> promote)
@@ -72,7 +83,7 @@ def test_retrain_pipeline_shape(tmp_path):
         ["dpo", "evaluate", "grpo"], ["dpo-2", "evaluate-2"]]
     refresh = next(comps[f"comp-{b}"]["dag"]["tasks"] for b in comps["comp-condition-branches-1"]["dag"]["tasks"]
                    if "grpo" in comps[f"comp-{b}"]["dag"]["tasks"])
-    assert refresh["dpo"]["dependentTasks"] == ["grpo"]
+    assert "grpo" in refresh["dpo"]["dependentTasks"]
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["grpo_refresh"]["defaultValue"] is False
     assert "ab_logs_uri" in spec["root"]["inputDefinitions"]["parameters"]

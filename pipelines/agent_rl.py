@@ -33,7 +33,8 @@ from pipelines.run_form import form_pipeline
 def configured(place, p: SimpleNamespace, pipeline: str):
     """The first task: validates the run and gives the overrides every phase gets."""
     return place(configure(preset=p.preset, overrides=p.overrides, form=p.form_json, shown=p.form_shown,
-                           pipeline=pipeline), "configure")
+                           pipeline=pipeline, base_model_uri=getattr(p, "base_model_uri", ""),
+                           experiment=getattr(p, "experiment", "")), "configure")
 
 
 def switched(place, on: Any, phase: str, ctx: dict[str, Any], policy: Any, task: Callable[[], Any]) -> Any:

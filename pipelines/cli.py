@@ -124,7 +124,8 @@ def cmd_run(args) -> int:
         "tracking_uri": tracking_uri,
         "status": status,
         "wall_s": round(time.time() - started, 2),
-        "phases": {k: {"wall_s": v["wall_s"], "status": v["status"], **({"error": v["error"]} if "error" in v else {})}
+        "phases": {k: {"run_id": v["run_id"], "wall_s": v["wall_s"], "status": v["status"],
+                       **({"error": v["error"]} if "error" in v else {})}
                    for k, v in phases.items()},
         "metrics": {k: v["metrics"] for k, v in phases.items()},
     }

@@ -819,8 +819,8 @@ def load_config(
 ) -> PipelineConfig:
     """Resolve and validate the pipeline config. Raises ConfigError naming field, value and expectation.
 
-    Layers land in this order, each validated as it lands: files, `named_layers` ((source, mapping) pairs, e.g.
-    the run form's parameters, each named in its errors), the JSON overrides, the --set pairs."""
+    Layers land in this order: files, `named_layers` ((source, mapping) pairs, e.g. the run form's parameters),
+    the JSON overrides, the --set pairs; an error names the layer that brought it in."""
     layers: list[tuple[str, dict[str, Any]]] = []
     for f in files:
         layers.append((str(f), _read_yaml(f)))
@@ -848,13 +848,27 @@ def load_config(
     chosen = chosen or "tiny"
     if chosen not in PRESETS:
         raise ConfigError(f"preset = {chosen!r}: expected one of {sorted(PRESETS)}")
-    merged: dict[str, Any] = deep_merge({"preset": chosen}, PRESETS[chosen])
+    stages: list[tuple[str | None, dict[str, Any]]] = [(None, deep_merge({"preset": chosen}, PRESETS[chosen]))]
     for source, layer in layers:
-        layer = {k: v for k, v in layer.items() if k != "preset"}
-        merged = deep_merge(merged, layer)
-        # validate each layer as it lands so an error names the layer that introduced it
-        _validate(merged, source)
-    return _validate(merged, None)
+        stages.append((source, deep_merge(stages[-1][1], {k: v for k, v in layer.items() if k != "preset"})))
+    try:
+        return _validate(stages[-1][1], None)
+    except ConfigError as final:
+        # name the layer that brought the problem in: the first stage with one of the final problems (a stage
+        # may break a cross-field rule that a later layer mends, e.g. the h100 preset before the base model)
+        problems = set(_problems(stages[-1][1]))
+        for source, data in stages[1:]:
+            if problems & set(_problems(data)):
+                _validate(data, source)
+        raise final
+
+
+def _problems(data: dict[str, Any]) -> list[str]:
+    try:
+        PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        return _format_errors(err, None).splitlines()[1:]
+    return []
 
 
 def preset_values(preset: str) -> dict[str, Any]:

@@ -34,15 +34,16 @@ def prepare(
 
 
 @dsl.component(base_image=images.SANDBOX, install_kfp_package=False)
-def configure(preset: str, overrides: str, form: str, shown: str, pipeline: str) -> NamedTuple(
-        "ConfigureOutputs", [("overrides", str)]):
+def configure(preset: str, overrides: str, form: str, shown: str, pipeline: str, base_model_uri: str,
+              experiment: str) -> NamedTuple("ConfigureOutputs", [("overrides", str)]):
     """The pipeline's first step: validate the run (preset, run-form parameters, overrides) before any work, and
     hand every phase one overrides object (the changed run-form parameters with `overrides` on top)."""
     from collections import namedtuple
 
     from components.prepare.form import resolve
 
-    cfg, merged, changed = resolve(preset, overrides, form, shown, pipeline)
+    cfg, merged, changed = resolve(preset, overrides, form, shown, pipeline,
+                                   {"base_model_uri": base_model_uri, "experiment": experiment})
     print(f"configure: valid; preset {cfg.preset}; run-form parameters changed: {', '.join(changed) or 'none'}; "
           f"overrides: {len(overrides)} characters")
     return namedtuple("ConfigureOutputs", ["overrides"])(merged)

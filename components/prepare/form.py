@@ -113,12 +113,17 @@ def _decode(text: str, what: str) -> dict[str, Any]:
     return data
 
 
-def resolve(preset: str, overrides: str, form: str, shown: str, pipeline: str = "agent_rl"):
+# run-form text parameters that are config fields too (they apply when not empty)
+TEXT_FIELDS = {"base_model_uri": "model.base_uri", "experiment": "tracking.experiment"}
+
+
+def resolve(preset: str, overrides: str, form: str, shown: str, pipeline: str = "agent_rl",
+            text: Mapping[str, str] | None = None):
     """Validate the whole run (preset, run form, overrides); return (config, the overrides every phase gets, the
     run-form parameters that changed).
 
     `form` holds the knobs' values as the run has them, `shown` the defaults the form showed (the compile
-    preset's). The returned overrides (a JSON object) are the changed knobs with `overrides` on top, so each
+    preset's), `text` the text parameters that set config fields (TEXT_FIELDS). The returned overrides (a JSON object) are the changed knobs with `overrides` on top, so each
     phase resolves the same config from (preset, overrides) without knowing the form.
     """
     values, compiled = _decode(form, "run form"), _decode(shown, "run form defaults")
@@ -126,7 +131,8 @@ def resolve(preset: str, overrides: str, form: str, shown: str, pipeline: str = 
     unknown = sorted(set(values) - set(by_name))
     if unknown:
         raise ConfigError(f"run form: unknown parameter(s) {unknown}; expected some of {sorted(by_name)}")
-    layers = []
+    layers = [(f"run-form parameter {name}", nest(TEXT_FIELDS[name], value))
+              for name, value in (text or {}).items() if value]
     for name, raw in values.items():
         knob = by_name[name]
         value = _coerce(knob, raw)

@@ -91,6 +91,7 @@ def cmd_run(args) -> int:
 
     cfg = _resolve(args)  # validated before anything starts
     try:
+        cfg.check_base_model()
         switches = _switches(args.param or [])
     except ValueError as exc:
         print(f"agentrl run: {exc}", file=sys.stderr)
@@ -223,6 +224,14 @@ def cmd_compile(args) -> int:
         _compile_to(name, plan, out, _form_preset(args))
         extra = f" + {args.placement_file}" if args.placement_file else ""
         print(f"compiled {out} (placement {args.placement}{extra}, run form defaults of preset {_form_preset(args)})")
+    return 0
+
+
+def cmd_form(args) -> int:
+    """The run form a compiled pipeline shows in the Kubeflow UI, as a Markdown table."""
+    from pipelines.run_form import markdown
+
+    print(markdown(args.pipeline, _form_preset(args)))
     return 0
 
 
@@ -424,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default="build")
     _placement_args(p)
     p.set_defaults(fn=cmd_compile)
+    p = sub.add_parser("form", help="the run form (typed parameters, defaults) of a compiled pipeline, as Markdown")
+    p.add_argument("--pipeline", choices=PIPELINES, default="agent_rl")
+    _placement_args(p)
+    p.set_defaults(fn=cmd_form)
     for name, fn, hlp in (("submit", cmd_submit, "start a run on a Kubeflow Pipelines host"),
                           ("schedule", cmd_schedule, "a recurring run on a Kubeflow Pipelines host (cron)")):
         p = sub.add_parser(name, help=hlp)

@@ -29,6 +29,7 @@ class Param:
     type: type
     default: Any  # _REQUIRED: the form asks for it
     help: str
+    path: str = ""  # the config field it sets, if any
 
 
 def _base(preset: str) -> dict[str, Param]:
@@ -38,12 +39,13 @@ def _base(preset: str) -> dict[str, Param]:
         "base_model_uri": Param(
             "base_model_uri", str, "" if has_model else _REQUIRED,
             "The model to start from: a Hugging Face directory on the node, an s3:// prefix (any tool's upload), a "
-            ".gguf file or 'smollm2-135m-instruct'" + ("; empty = the preset's." if has_model else ".")),
+            ".gguf file or 'smollm2-135m-instruct'" + ("; empty = the preset's." if has_model else "."),
+            "model.base_uri"),
         "preset": Param("preset", str, preset, f"Config preset: {presets}. The run form's other defaults are "
                         f"the '{preset}' preset's; a knob left as it is follows the preset chosen here."),
         "overrides": Param("overrides", str, "", 'Any other config field, as a JSON object, e.g. {"grpo": '
                            '{"temperature": 0.8}}; it wins over the run form. Validated before any task starts.'),
-        "experiment": Param("experiment", str, "agentrl", "MLflow experiment name."),
+        "experiment": Param("experiment", str, "agentrl", "MLflow experiment name.", "tracking.experiment"),
         "parent_run_id": Param("parent_run_id", str, "", "An MLflow run to nest under; empty = create one (or use "
                                "the KFP MLflow plugin's)."),
     }
@@ -53,7 +55,7 @@ def params(pipeline: str, preset: str) -> list[Param]:
     """The form of `pipeline` compiled for `preset`, in the order the UI lists it."""
     base = _base(preset)
     shown = form.defaults(preset, pipeline)
-    knobs = [Param(k.name, k.type, shown[k.name], k.help) for k in form.knobs(pipeline)]
+    knobs = [Param(k.name, k.type, shown[k.name], k.help, k.path) for k in form.knobs(pipeline)]
     if pipeline == "agent_rl":
         switches = [Param(switch, bool, True, f"Run the {phase} phase; off = its input model goes on unchanged "
                           "(MLflow and the report say it was skipped).") for phase, (switch, _) in form.SWITCHES.items()]
@@ -92,3 +94,14 @@ def form_pipeline(pipeline: str, preset: str, **pipeline_kwargs) -> Callable:
         return dsl.pipeline(**pipeline_kwargs)(fn)
 
     return decorate
+
+
+def markdown(pipeline: str, preset: str) -> str:
+    """The run form as a Markdown table (`agentrl form`; the README's cluster section shows the h100 one)."""
+    kinds = {str: "string", int: "integer", float: "double", bool: "boolean", list: "list"}
+    rows = [f"| parameter | type | default ({preset}) | config field | description |", "|---|---|---|---|---|"]
+    for p in params(pipeline, preset):
+        default = "*required*" if p.default is _REQUIRED else f"`{json.dumps(p.default)}`"
+        field = f"`{p.path}`" if p.path else ""
+        rows.append(f"| `{p.name}` | {kinds[p.type]} | {default} | {field} | {p.help.replace('|', '/')} |")
+    return "\n".join(rows)

@@ -598,9 +598,14 @@ class PipelineConfig(_Section):
         if self.grpo.async_.max_staleness and self.grpo.deepspeed:
             raise ValueError("grpo.async.max_staleness > 0 with grpo.deepspeed: the rollout thread needs a full copy "
                              "of the weights; use one process without DeepSpeed, or max_staleness=0")
-        if self.preset == "h100" and self.model.base_uri == "tiny":
-            raise ValueError("model.base_uri='tiny' with preset 'h100': give a model path or s3:// URI")
         return self
+
+    def check_base_model(self) -> None:
+        """For the runs that bring a base model in (agent_rl, not retrain, which starts from the champion): the
+        h100 preset trains the user's model, never the embedded toy."""
+        if self.preset == "h100" and self.model.base_uri == "tiny":
+            raise ConfigError("model.base_uri='tiny' with preset 'h100': give a model path or s3:// URI (the run "
+                              "form's base_model_uri)")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)

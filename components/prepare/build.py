@@ -40,6 +40,7 @@ def fetch_base_model(cfg: PipelineConfig, home: Path, corpus: str | None = None)
     'tiny' builds the embedded model, its tokenizer trained on `corpus` (the sandbox's text, one line
     per entry; from sandbox_build) or, without one, on the fallback corpus.
     """
+    cfg.check_base_model()
     uri = cfg.model.base_uri
     if uri == "tiny":
         lines = None

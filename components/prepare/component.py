@@ -33,7 +33,8 @@ def prepare(
     return namedtuple("PrepareOutputs", ["parent_run_id", "model_uri"])(res.parent_run_id, res.model_uri)
 
 
-@dsl.component(base_image=images.SANDBOX, install_kfp_package=False)
+# the trainer image: the sandbox image holds the environment server only (no KFP executor, no MLflow)
+@dsl.component(base_image=images.TRAINER, install_kfp_package=False)
 def configure(preset: str, overrides: str, form: str, shown: str, pipeline: str, base_model_uri: str,
               experiment: str) -> NamedTuple("ConfigureOutputs", [("overrides", str)]):
     """The pipeline's first step: validate the run (preset, run-form parameters, overrides) before any work, and
@@ -49,7 +50,7 @@ def configure(preset: str, overrides: str, form: str, shown: str, pipeline: str,
     return namedtuple("ConfigureOutputs", ["overrides"])(merged)
 
 
-@dsl.component(base_image=images.SANDBOX, install_kfp_package=False)
+@dsl.component(base_image=images.TRAINER, install_kfp_package=False)
 def skip_phase(
     phase: str,
     switch: str,

@@ -139,6 +139,8 @@ def resolve(preset: str, overrides: str, form: str, shown: str, pipeline: str = 
         if name not in compiled or value != _coerce(knob, compiled[name]):
             layers.append((f"run-form parameter {name}", nest(knob.path, value)))
     cfg = load_config(preset=preset or None, named_layers=layers, overrides_json=overrides or None)
+    if pipeline == "agent_rl":
+        cfg.check_base_model()
     merged: dict[str, Any] = {}
     for _, layer in layers:
         merged = deep_merge(merged, layer)

@@ -79,7 +79,6 @@ BAD = [
     (dict(set_pairs=["generation.max_new_tokens=3000"]), "generation.max_new_tokens=3000 must be <"),
     (dict(set_pairs=["sandbox.suite_sizes.medium=3"]), "sandbox.suite_sizes.medium"),
     (dict(set_pairs=["eval.suites=[easy, extreme]"]), "eval.suites.1 = \"extreme\""),
-    (dict(preset="h100"), "model.base_uri='tiny' with preset 'h100'"),
     (dict(preset="tpu-pod"), "preset = 'tpu-pod'"),
     (dict(set_pairs=["run.seed"]), "--set 'run.seed': expected section.field=value"),
     (dict(overrides_json="{not json"), "overrides: not valid JSON"),
@@ -144,3 +143,10 @@ def test_small_preset_is_smollm2_full_fine_tune_and_validates():
     assert cfg.sandbox.model_dump(exclude={"suite_sizes"}) == load_config().sandbox.model_dump(exclude={"suite_sizes"})
     with pytest.raises(ConfigError, match="model.observation_role"):
         load_config(preset="small", set_pairs=["model.observation_role=system"])
+
+
+def test_h100_needs_a_base_model_where_one_is_brought_in():
+    cfg = load_config(preset="h100")  # retraining starts from the champion: no base model needed
+    with pytest.raises(ConfigError, match="model.base_uri='tiny' with preset 'h100'"):
+        cfg.check_base_model()
+    load_config(preset="h100", set_pairs=["model.base_uri=s3://b/m/"]).check_base_model()

@@ -59,7 +59,7 @@ def test_h100_golden(tmp_path):
     assert {k for k, v in image.items() if v.startswith("rollout:")} == {"grpo", "rejection-sampling", "dpo", "evaluate"}
     assert image["sft-warmup"].startswith("trainer:") and image["sandbox-build"].startswith("sandbox:")
     # the run form's steps are small CPU pods
-    assert image["configure"].startswith("sandbox:") and image["skip-phase"].startswith("sandbox:")
+    assert image["configure"].startswith("trainer:") and image["skip-phase"].startswith("trainer:")
     assert "accelerator" not in execs["exec-configure"]["container"]["resources"]
     # no secret value is ever inlined: only names of Secrets and keys
     text = yaml.safe_dump(docs)

@@ -147,6 +147,12 @@ def test_h100_without_a_base_model_is_refused_at_configure_and_the_form_gives_ev
                                   "tracking": {"experiment": "nightly"}}
 
 
+def test_retraining_on_h100_needs_no_base_model():
+    shown = json.dumps(form.defaults("h100", "retrain"))
+    cfg, merged, changed = form.resolve("h100", "", shown, shown, "retrain")
+    assert cfg.preset == "h100" and changed == [] and merged == "{}"
+
+
 def test_the_configure_step_fails_the_local_pipeline_before_any_other_task(tmp_path, capfd):
     from pipelines import local
     from pipelines.agent_rl import agent_rl
@@ -200,3 +206,12 @@ def test_run_refuses_a_switch_it_does_not_know(tmp_path, capsys):
     assert "expected NAME=true|false with NAME one of" in capsys.readouterr().err
     assert main(["run", "--param", "grpo_steps=5"]) == 2
     assert "use --set grpo.steps=5" in capsys.readouterr().err
+
+
+def test_the_readme_shows_the_cluster_run_form_as_compiled():
+    from pathlib import Path
+
+    from pipelines.run_form import markdown
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert markdown("agent_rl", "h100") in readme, "README's run-form table is stale: paste `agentrl form` into it"

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
@@ -44,7 +44,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # strict: a bool is no int (`max_turns=true` is not 1), a string is no number ("12"), a number no bool
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True)
 
 
 DEEPSPEED_PRESETS = ("zero1", "zero2", "zero3")
@@ -334,9 +335,13 @@ class SFTConfig(_Checkpointed):
         return self
 
 
+_Level = Annotated[int, Strict(False)]
+
+
 class CurriculumConfig(_Section):
-    start_mix: dict[int, float] = Field(default_factory=lambda: {1: 0.4, 2: 0.4, 3: 0.2})
-    final_mix: dict[int, float] = Field(default_factory=lambda: {1: 0.10, 2: 0.15, 3: 0.25, 4: 0.30, 5: 0.20})
+    # level keys are not strict: JSON (the pipeline's overrides) writes them as strings
+    start_mix: dict[_Level, float] = Field(default_factory=lambda: {1: 0.4, 2: 0.4, 3: 0.2})
+    final_mix: dict[_Level, float] = Field(default_factory=lambda: {1: 0.10, 2: 0.15, 3: 0.25, 4: 0.30, 5: 0.20})
     promote_threshold: float = Field(0.7, gt=0, le=1, description="move up when success at a level exceeds it")
     easy_fraction_min: float = Field(0.1, ge=0, le=1)
     easy_fraction_max: float = Field(0.2, ge=0, le=1)
@@ -452,7 +457,7 @@ class GRPOConfig(_Checkpointed):
     multi_node: MultiNodeConfig = Field(default_factory=MultiNodeConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, strict=True)
 
     @model_validator(mode="after")
     def _ds(self) -> GRPOConfig:
@@ -765,9 +770,11 @@ def _format_errors(err: ValidationError, source: str | None) -> str:
 def _coerce_scalar(text: str) -> Any:
     """A --set value: YAML scalars/lists/maps ('16', 'true', 'null', '[a, b]', '{1: 0.5}'); else the text."""
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return yaml.load(text, Loader=_UniqueKeyLoader) if text != "" else ""
     except yaml.YAMLError:
         return text
+    except (RecursionError, ValueError) as exc:  # nesting too deep; an integer of thousands of digits
+        raise ConfigError(f"--set value {text[:40]!r}...: cannot be read ({type(exc).__name__})") from None
 
 
 def parse_set(pairs: Iterable[str]) -> dict[str, Any]:
@@ -795,14 +802,38 @@ def parse_set(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key written twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p}: not found")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {p}: {p.stat().st_size} bytes, expected at most {MAX_CONFIG_BYTES}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p}: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {p}: not valid YAML ({exc})") from None
+    except (RecursionError, ValueError) as exc:  # nesting too deep; an integer of thousands of digits
+        raise ConfigError(f"config file {p}: cannot be read as a config ({type(exc).__name__}: {str(exc)[:120]})"
+                          ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p}: expected a mapping of sections, got {type(data).__name__}")
     return data
@@ -836,6 +867,9 @@ def load_config(
                 ov = json.loads(overrides_json)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"overrides: not valid JSON ({exc.msg} at char {exc.pos})") from None
+            except (RecursionError, ValueError) as exc:  # nesting too deep; an integer of thousands of digits
+                raise ConfigError(f"overrides: cannot be read as a config ({type(exc).__name__}: "
+                                  f"{str(exc)[:120]})") from None
         else:
             ov = dict(overrides_json)
         if not isinstance(ov, dict):

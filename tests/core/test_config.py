@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -150,3 +151,42 @@ def test_h100_needs_a_base_model_where_one_is_brought_in():
     with pytest.raises(ConfigError, match="model.base_uri='tiny' with preset 'h100'"):
         cfg.check_base_model()
     load_config(preset="h100", set_pairs=["model.base_uri=s3://b/m/"]).check_base_model()
+
+
+@pytest.mark.parametrize("pair,message", [
+    ("sandbox.max_turns=true", "sandbox.max_turns = true: expected a valid integer [--set]"),
+    ("sandbox.max_turns='12'", 'sandbox.max_turns = "12": expected a valid integer [--set]'),
+    ("grpo.sage.enabled=1", "grpo.sage.enabled = 1: expected a valid boolean [--set]"),
+    ("sft.learning_rate=fast", 'sft.learning_rate = "fast": expected a valid number [--set]'),
+    ("sft.max_steps=" + "9" * 5000, "cannot be read (ValueError)"),
+])
+def test_types_are_strict(pair, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(set_pairs=[pair])
+    assert message in str(err.value)
+    # numbers where numbers belong still pass: an int for a float field, JSON's string level keys
+    cfg = load_config(overrides_json='{"sft": {"epochs": 3}, "grpo": {"curriculum": {"start_mix": {"1": 0.5, "2": 0.5}}}}')
+    assert cfg.sft.epochs == 3.0 and cfg.grpo.curriculum.start_mix == {1: 0.5, 2: 0.5}
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"sft:\n  epochs: 2\n  epochs: 3\n", "not valid YAML (duplicate key 'epochs'"),
+    (b"sft:\n  epochs: \xff\n", "not UTF-8 text (byte 15)"),
+    (("a: " + "[" * 20000 + "]" * 20000).encode(), "cannot be read as a config (RecursionError"),
+    (b"sft:\n  max_steps: " + b"9" * 5000 + b"\n", "cannot be read as a config (ValueError"),
+])
+def test_unreadable_config_files_are_errors_naming_the_file(tmp_path, content, message):
+    f = tmp_path / "bad.yaml"
+    f.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(files=[f])
+    assert str(err.value).startswith(f"config file {f}: ") and message in str(err.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"a": ' + "[" * 30000 + "]" * 30000 + "}", "overrides: cannot be read as a config (RecursionError"),
+    ('{"sft": {"max_steps": ' + "9" * 5000 + "}}", "overrides: cannot be read as a config (ValueError"),
+])
+def test_unreadable_overrides_are_errors(text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides_json=text)

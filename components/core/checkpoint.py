@@ -57,7 +57,8 @@ class Checkpoints:
             m = _STEP.search(parent)
             if name == storage.MANIFEST and m:
                 found.add((int(m.group(1)), parent))
-        return sorted(found)
+        # a manifest whose files are not all there (lost after the upload) is no checkpoint: fall back
+        return sorted((step, uri) for step, uri in found if storage.is_complete(uri))
 
     def latest(self) -> tuple[int, str] | None:
         done = self.complete()

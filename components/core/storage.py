@@ -376,10 +376,22 @@ def put_dir(local_dir: str | os.PathLike, uri: str) -> dict:
     manifest = build_manifest(local_dir)
     man_uri = join(uri, MANIFEST)
     if is_s3(uri):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        where = f"put_dir {local_dir} -> {uri}{_phase()}"
         bucket, key = split_s3(man_uri)
-        s3_client().delete_object(Bucket=bucket, Key=key)  # no-op when absent
-        for e in manifest["files"]:
-            put_file(local_dir / e["path"], join(uri, e["path"]))
+        try:
+            s3_client().delete_object(Bucket=bucket, Key=key)  # no-op when absent
+            for e in manifest["files"]:
+                put_file(local_dir / e["path"], join(uri, e["path"]))
+            # an upload the endpoint acknowledged can still be lost (an endpoint restarted without its data):
+            # the manifest goes up only once the listing shows every object at its size
+            bad = unverified(uri, manifest["files"])
+        except (BotoCoreError, ClientError, OSError) as exc:
+            raise StorageError(f"{where}: upload failed, no manifest written ({type(exc).__name__}: {exc})") from exc
+        if bad:
+            raise IncompleteDirectoryError(f"{where}: {len(bad)} of {len(manifest['files'])} objects missing or of "
+                                           f"another size after the upload ({', '.join(bad[:5])}); no manifest written")
         write_text(man_uri, json.dumps(manifest, indent=1))
         return manifest
     # local: build a sibling, then swap it in by rename
@@ -402,12 +414,24 @@ def read_manifest(uri: str) -> dict:
     return manifest
 
 
+def unverified(uri: str, entries: list[dict]) -> list[str]:
+    """The manifest entries that the store does not hold at their size (one listing, no download)."""
+    listed = {e["path"]: e["size"] for e in list_objects(uri)}
+    return [e["path"] for e in entries if listed.get(e["path"]) != e["size"]]
+
+
 def is_complete(uri: str) -> bool:
+    """A manifest, and every file it names present at its size: what checkpoint `latest()` and readers trust."""
     try:
-        read_manifest(uri)
-        return True
+        return not unverified(uri, read_manifest(uri)["files"])
     except IncompleteDirectoryError:
         return False
+
+
+def _phase() -> str:
+    """' (phase grpo)' inside a phase (PhaseRun sets AGENTRL_PHASE), for storage errors."""
+    phase = os.environ.get("AGENTRL_PHASE")
+    return f" (phase {phase})" if phase else ""
 
 
 def get_dir(uri: str, local_dir: str | os.PathLike) -> Path:

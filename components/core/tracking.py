@@ -213,6 +213,7 @@ class PhaseRun:
             tags = {"mlflow.parentRunId": self.parent_run_id, "agentrl.phase": self.phase, **self.tags}
             run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
             self.run_id = run.info.run_id
+        os.environ["AGENTRL_PHASE"] = self.phase  # named in storage errors
         self._buffer = MetricBuffer(self.buffer_root / f"{self.run_id}.jsonl")
         if self.config is not None and not self.resume_run_id:  # params are write-once in MLflow
             self.log_params(flatten(self.config.to_dict()))

@@ -179,3 +179,49 @@ def test_bad_uris():
         storage.split_s3("s3://")
     with pytest.raises(storage.StorageError):
         storage.split_s3("/local/path")
+
+
+def test_endpoint_restarted_mid_upload_never_gives_a_complete_directory(aws_env, tmp_path, monkeypatch):
+    """An S3 endpoint that restarts without its data while a directory goes up: the objects acknowledged before
+    the restart are gone, boto's retries put the rest up; the listing check refuses to write the manifest."""
+    from tests.helpers.servers import MotoServer
+
+    server = MotoServer(tmp_path).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+        monkeypatch.setenv("AGENTRL_PHASE", "grpo")
+        boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket="ckpt")
+        src = make_tree(tmp_path / "src", n=50, size=2_000)
+        real, calls = storage.put_file, {"n": 0}
+
+        def put_file(local, uri):
+            calls["n"] += 1
+            if calls["n"] == 36:  # 35 objects acknowledged, then the endpoint restarts empty
+                server.stop()
+                server.start()
+                boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket="ckpt")
+            real(local, uri)
+
+        monkeypatch.setattr(storage, "put_file", put_file)
+        with pytest.raises(storage.IncompleteDirectoryError) as err:
+            storage.put_dir(src, "s3://ckpt/run/step-00000002")
+        msg = str(err.value)
+        assert "35 of 50 objects missing" in msg and "s3://ckpt/run/step-00000002" in msg and str(src) in msg
+        assert "(phase grpo)" in msg and "no manifest written" in msg
+        assert not storage.exists(f"s3://ckpt/run/step-00000002/{storage.MANIFEST}")
+        assert not storage.is_complete("s3://ckpt/run/step-00000002")
+    finally:
+        server.stop()
+
+
+def test_a_checkpoint_whose_files_went_missing_is_skipped_and_latest_falls_back(root, tmp_path):
+    from components.core.checkpoint import Checkpoints, step_name
+
+    ck = Checkpoints(storage.join(root, "grpo"), tmp_path / "staging")
+    for step in (1, 2):
+        storage.put_dir(make_tree(tmp_path / f"s{step}", n=4), storage.join(root, "grpo", step_name(step)))
+    assert ck.latest()[0] == 2
+    # step 2's manifest is there, one of its files is not (lost after the upload)
+    storage.delete(storage.join(root, "grpo", step_name(2), "sub", "f1.bin"))
+    assert not storage.is_complete(storage.join(root, "grpo", step_name(2)))
+    assert ck.latest() == (1, storage.join(root, "grpo", step_name(1)))

@@ -306,15 +306,15 @@ class JsonlReader(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         for f in self.files():
-            for lineno, line in enumerate(storage.open_lines(f), start=1):
-                if not line.strip():
+            for lineno, raw in enumerate(storage.open_byte_lines(f), start=1):
+                if not raw.strip():
                     continue
                 try:
-                    data = json.loads(line)
+                    data = json.loads(raw.decode("utf-8"))
+                    json.dumps(data, ensure_ascii=False).encode("utf-8")  # lone surrogates ("\ud800") are no text
                     rec = from_record(self.cls, data)
-                except (json.JSONDecodeError, ValueError, TypeError) as exc:
-                    reason = f"not valid JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else str(exc)
-                    where = f"{f}:{lineno}: {reason}"
+                except (ValueError, TypeError, RecursionError) as exc:
+                    where = f"{f}:{lineno}: {_reason(exc)}"
                     if not self.skip_invalid:
                         raise SchemaError(where) from None
                     self.report.skipped += 1
@@ -323,6 +323,18 @@ class JsonlReader(Generic[T]):
                     continue
                 self.report.read += 1
                 yield rec
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not valid JSON ({exc.msg})"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {exc.start})"
+    if isinstance(exc, UnicodeEncodeError):
+        return "text with a lone surrogate (not encodable as UTF-8)"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc)[:500]
 
 
 def read_jsonl(uri: str | os.PathLike, cls: type[T], skip_invalid: bool = False) -> JsonlReader[T]:

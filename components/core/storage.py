@@ -11,7 +11,6 @@ IRSA/web identity); the endpoint from `AWS_ENDPOINT_URL` or `MLFLOW_S3_ENDPOINT_
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ __all__ = [
     "get_listed_dir",
     "list_objects",
     "list_uris",
-    "open_lines",
+    "open_byte_lines",
     "put_dir",
     "put_file",
     "read_bytes",
@@ -203,21 +202,21 @@ def read_text(uri: str) -> str:
     return read_bytes(uri).decode("utf-8")
 
 
-def open_lines(uri: str) -> Iterator[str]:
-    """Stream the lines of a text file (local or S3) without reading it whole."""
+def open_byte_lines(uri: str) -> Iterator[bytes]:
+    """Stream the lines of a file (local or S3) as bytes, for readers that decode each line themselves (a bad
+    byte is then an error of one line, with its number, not of the file)."""
     if is_s3(uri):
         bucket, key = split_s3(uri)
         try:
             body = s3_client().get_object(Bucket=bucket, Key=key)["Body"]
         except s3_client().exceptions.NoSuchKey:
             raise FileNotFoundError(uri) from None
-        buf = io.TextIOWrapper(body, encoding="utf-8", newline="")
         try:
-            yield from buf
+            yield from body.iter_lines(keepends=True)
         finally:
             body.close()
         return
-    with open(uri, encoding="utf-8", newline="") as fh:
+    with open(uri, "rb") as fh:
         yield from fh
 
 

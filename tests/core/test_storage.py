@@ -44,7 +44,7 @@ def test_file_roundtrip_and_listing(root, tmp_path):
     assert storage.exists(storage.join(root, "x/a.txt"))
     assert not storage.exists(storage.join(root, "x/missing.txt"))
     assert storage.read_text(storage.join(root, "x/a.txt")) == "hello"
-    assert list(storage.open_lines(storage.join(root, "x/b.txt"))) == ["line1\n", "line2\n"]
+    assert list(storage.open_byte_lines(storage.join(root, "x/b.txt"))) == [b"line1\n", b"line2\n"]
     names = [u.rsplit("/", 1)[-1] for u in storage.list_uris(storage.join(root, "x"))]
     assert names == ["a.txt", "b.txt"]
     out = storage.get_file(storage.join(root, "x/a.txt"), tmp_path / "dl" / "a.txt")

@@ -58,6 +58,26 @@ def test_strict_reader_names_file_and_line_and_skipping_counts(tmp_path):
     assert any("b.jsonl:4" in e and "variant" in e for e in report["errors"])
 
 
+@pytest.mark.parametrize("line,reason", [
+    (b'{"schema": "agentrl/ab/v1", "request_id": "\xff\xfe"}', "not UTF-8 text (byte 43)"),
+    (b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nested too deeply"),
+    (b'{"schema": "agentrl/ab/v1", "request_id": "\\ud800"}', "lone surrogate"),
+    (b'{"schema": "agentrl/ab/v1", "request_id": ' + b"9" * 5000 + b"}", "Exceeds the limit (4300 digits)"),
+    (b"[1, 2]", "expected"),
+    (b'"just text"', "expected"),
+])
+def test_hostile_lines_are_errors_naming_file_and_line_and_skipping_counts_them(tmp_path, line, reason):
+    good = json.dumps(to_record(rec("r0", "A", traj("t0", *GOOD), "up"))).encode()
+    f = tmp_path / "ab.jsonl"
+    f.write_bytes(b"\n".join([good, line, good.replace(b'"r0"', b'"r1"')]) + b"\n")
+    with pytest.raises(SchemaError) as err:
+        read_ab_logs(str(f))
+    assert str(err.value).startswith(f"{f}:2: ") and reason in str(err.value)
+    records, report = read_ab_logs(str(f), skip_invalid=True)
+    assert [r.request_id for r in records] == ["r0", "r1"] and report["skipped"] == 1
+    assert report["errors"][0].startswith(f"{f}:2: ")
+
+
 def test_reads_many_files_from_s3(tmp_path, bucket):
     from components.core import storage
 

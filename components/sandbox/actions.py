@@ -19,11 +19,44 @@ from typing import Any
 
 MAX_TURN_CHARS = 20_000
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-_DECODER = json.JSONDecoder()
 
 
 class FormatError(ValueError):
     pass
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise FormatError(f"invalid JSON: the number {text[:20]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise FormatError(f"invalid JSON: {name} is not a JSON number")
+
+
+# strict JSON numbers: no NaN/Infinity, no float that overflows to inf (1e400)
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_only(text: str) -> str:
+    """`text` with every lone surrogate ('\\ud800', which no UTF-8 encoder accepts) replaced by U+FFFD."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def _clean(obj: Any) -> Any:
+    """A parsed action with lone surrogates replaced in every key and string."""
+    if isinstance(obj, str):
+        return text_only(obj)
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, dict):
+        return {text_only(k): _clean(v) for k, v in obj.items()}
+    return obj
 
 
 @dataclass
@@ -53,6 +86,7 @@ def parse(text: str) -> Action:
         raise FormatError("the reply must be text")
     if len(text) > MAX_TURN_CHARS:
         raise FormatError(f"the reply is longer than {MAX_TURN_CHARS} characters")
+    text = text_only(text)
     fence = _FENCE.search(text)
     brace = text.find("{")
     if fence and (brace < 0 or fence.start() < brace):
@@ -67,6 +101,11 @@ def parse(text: str) -> Action:
         raise FormatError(f"invalid JSON: {exc.msg} at char {exc.pos}") from None
     except RecursionError:
         raise FormatError("invalid JSON: nested too deeply") from None
+    except FormatError:
+        raise
+    except ValueError:  # an integer past Python's 4,300-digit conversion limit
+        raise FormatError("invalid JSON: a number with too many digits") from None
+    obj = _clean(obj)
     if not isinstance(obj, dict):
         raise FormatError("the action must be a JSON object")
     extra = set(obj) - {"tool", "args"}

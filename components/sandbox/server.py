@@ -15,6 +15,7 @@ serving.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -55,11 +56,12 @@ class SessionStore:
             seen[0] = time.monotonic()
             return env, lock
 
-    def delete(self, sid: str) -> None:
+    def delete(self, sid: str) -> bool:
         with self.lock:
             item = self.sessions.pop(sid, None)
         if item:
             item[0].close()
+        return item is not None
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -87,8 +89,26 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
         yield
         store.close()  # stop every session's code worker
 
-    app = FastAPI(title="agentrl sandbox", version="1", lifespan=lifespan)
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    class EscapedJSON(JSONResponse):
+        """ASCII JSON: a lone surrogate that reached a reply (from a client's own task text) is written as an
+        escape, not a UnicodeEncodeError and a 500."""
+
+        def render(self, content: Any) -> bytes:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+    app = FastAPI(title="agentrl sandbox", version="1", lifespan=lifespan, default_response_class=EscapedJSON)
     app.state.store = store
+
+    @app.exception_handler(ValueError)
+    async def bad_input(_request: Request, exc: ValueError):  # a body FastAPI could not read (e.g. a 5,000-digit int)
+        return EscapedJSON({"detail": f"bad request: {str(exc)[:300]}"}, status_code=422)
+
+    @app.exception_handler(RecursionError)
+    async def too_deep(_request: Request, _exc: RecursionError):
+        return EscapedJSON({"detail": "bad request: nested too deeply"}, status_code=422)
 
     def session(sid: str):
         try:
@@ -150,7 +170,8 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
 
     @app.delete("/sessions/{sid}")
     def delete(sid: str) -> dict[str, bool]:
-        store.delete(sid)
+        if not store.delete(sid):
+            raise HTTPException(404, f"no session {sid}")
         return {"deleted": True}
 
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -107,3 +108,31 @@ def test_bad_requests_are_clear(server):
     assert r.status_code == 422 and "unknown schema version" in r.text
     r = requests.post(f"{server}/sessions/{sid}/step", json={"action": "hello"}, timeout=5)
     assert r.status_code == 200 and r.json()["done"]  # stepping before reset is an observation, not a crash
+
+
+def test_hostile_input_gets_an_answer_never_a_500(server, suites):
+    from components.core.schema import to_record
+
+    post = lambda path, data: requests.post(server + path, data=data,  # noqa: E731
+                                            headers={"content-type": "application/json"}, timeout=10)
+    sid = requests.post(server + "/sessions", json={}, timeout=5).json()["session"]
+    task = to_record(suites["easy"][0])
+    task["instruction"] = "move \ud800 the mail"
+    # a task whose text holds a lone surrogate: echoed in the observation as an escape
+    r = post(f"/sessions/{sid}/reset", json.dumps({"task": task}))
+    assert r.status_code == 200 and "\\ud800" in r.text
+    codes = []
+    for action in ('{"tool": "mail.search", "args": {"query": "\\ud800"}}', '{"tool": "\\udfff", "args": {}}',
+                   '{"tool": "mail.read", "args": {"id": ' + "9" * 6000 + "}}", '{"tool": "mail.read", "args": '
+                   '{"id": NaN}}', "[" * 100_000):
+        r = post(f"/sessions/{sid}/step", json.dumps({"action": action}))
+        codes.append(r.status_code)
+        assert r.status_code == 200 and r.json()["observation"].encode("utf-8"), r.text[:300]
+    # bodies the server cannot read are the client's error: 422, and the connection stays usable
+    for body in ('{"action": ' + "9" * 6000 + "}", '{"action": ' + "[" * 100_000 + "]" * 100_000 + "}", "\xff\xfe",
+                 '{"action": "\\ud800"}'):
+        r = post(f"/sessions/{sid}/step", body.encode("utf-8", "surrogatepass"))
+        codes.append(r.status_code)
+    assert 500 not in codes and all(c in (200, 400, 422) for c in codes), codes
+    assert requests.delete(f"{server}/sessions/{sid}", timeout=5).status_code == 200
+    assert requests.delete(f"{server}/sessions/{sid}", timeout=5).status_code == 404

@@ -267,6 +267,10 @@ class SandboxConfig(_Section):
     code_memory_mb: int = Field(256, ge=32, le=65536)
     code_output_chars: int = Field(4000, ge=100, le=1_000_000)
     code_wall_timeout_s: float = Field(5.0, gt=0, le=3600)
+    code_isolation: Literal["auto", "strict"] = Field(
+        "auto", description="'strict': a code worker without every OS wall (network namespace, uid nobody, process "
+        "and file limits, seccomp) refuses to start; 'auto': it runs with the walls this host allows and logs the "
+        "missing ones (a pod whose runtime forbids namespaces keeps the policy, rlimits and seccomp)")
     skill_retrieval_k: int = Field(4, ge=0, le=100)
 
     @model_validator(mode="after")

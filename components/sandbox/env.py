@@ -99,7 +99,7 @@ class WorkspaceEnv:
         self.library = library if library is not None else SkillLibrary()
         self.action_format = action_format or self.cfg.action_format
         self.limits = Limits(self.cfg.code_cpu_time_s, self.cfg.code_memory_mb, self.cfg.code_output_chars,
-                             self.cfg.code_wall_timeout_s)
+                             self.cfg.code_wall_timeout_s, self.cfg.code_isolation)
         self._runner: CodeRunner | None = None
         self.task: Task | None = None
 

@@ -37,6 +37,36 @@ class CodeInfo:
     called: set[str] = field(default_factory=set)  # plain names called anywhere
 
 
+# Every place the grammar writes an identifier (ast's `identifier` fields). An attribute path reads an
+# attribute of an object: `x.attr` and a class pattern's keywords (`case int(__class__=c)` reads c = x.__class__).
+ATTRIBUTE_FIELDS = {(ast.Attribute, "attr"), (ast.MatchClass, "kwd_attrs")}
+# A name looked up (or assigned): no banned builtin, no dunder. A name only bound or given (a parameter, a
+# keyword argument like `read(id=...)`, a pattern capture): no dunder.
+NAME_FIELDS = {(ast.Name, "id")}
+BINDING_FIELDS = {(ast.MatchAs, "name"), (ast.MatchStar, "name"), (ast.MatchMapping, "rest"), (ast.arg, "arg"),
+                  (ast.keyword, "arg"), (ast.FunctionDef, "name"), (ast.ExceptHandler, "name"), (ast.alias, "name"),
+                  (ast.alias, "asname")}
+
+
+def _check_identifiers(node: ast.AST, line) -> None:
+    """No identifier anywhere in the tree leads out: the fields are walked by type, not by example."""
+    for field_name, value in ast.iter_fields(node):
+        names = value if isinstance(value, list) else [value]
+        names = [n for n in names if isinstance(n, str)]
+        if not names or isinstance(node, (ast.Constant, ast.ImportFrom)) or field_name == "type_comment":
+            continue
+        if (type(node), field_name) in ATTRIBUTE_FIELDS:
+            for n in names:
+                if n in BANNED_ATTRS or n.startswith(BANNED_PREFIXES):
+                    raise PolicyError(f"line {line}: attribute '{n}' is not available")
+        elif (type(node), field_name) in NAME_FIELDS | BINDING_FIELDS:
+            for n in names:
+                if n.startswith("__") or (n in BANNED_NAMES and (type(node), field_name) in NAME_FIELDS):
+                    raise PolicyError(f"line {line}: '{n}' is not available")
+        else:  # an identifier field this table does not know (a newer Python's grammar): refuse, do not guess
+            raise PolicyError(f"line {line}: {type(node).__name__}.{field_name} is not supported")
+
+
 def check(code: str) -> CodeInfo:
     """Parse and check `code`; raises PolicyError naming the first offence (with its line)."""
     if len(code) > MAX_CODE_CHARS:
@@ -50,6 +80,7 @@ def check(code: str) -> CodeInfo:
     info = CodeInfo()
     for node in ast.walk(tree):
         line = getattr(node, "lineno", "?")
+        _check_identifiers(node, line)
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             raise PolicyError(f"line {line}: imports are not allowed; use apis")
         if isinstance(node, (ast.Global, ast.Nonlocal)):

@@ -119,6 +119,10 @@ def cmd_run(args) -> int:
         print("\nagentrl run failed: " + re.sub(r"\x1b\[[0-9;]*m", "", str(exc)), file=sys.stderr)
     finally:
         end_run(tracking_uri, parent_id, status)
+    from components.core.tracking import flush_pending
+
+    # what a phase left buffered (its tracking server was down at its end), sent now if the server is back
+    left = {k: v["left"] for k, v in flush_pending(home / "metric_buffer").items() if v["left"] != (0, 0)}
     phases = _phase_summary(tracking_uri, parent_id)
     report = {
         "parent_run_id": parent_id,
@@ -129,9 +133,13 @@ def cmd_run(args) -> int:
                        **({"error": v["error"]} if "error" in v else {})}
                    for k, v in phases.items()},
         "metrics": {k: v["metrics"] for k, v in phases.items()},
+        "tracking_buffered": {k: {"metrics": m, "calls": c} for k, (m, c) in left.items()},
     }
     (home / "last_run.json").write_text(json.dumps(report, indent=1))
     _print_table(report)
+    if left:
+        print(f"agentrl run: tracking calls of {len(left)} runs are still buffered in {home / 'metric_buffer'} "
+              "(the MLflow server is unreachable): `agentrl flush` sends them", file=sys.stderr)
     for phase, info in report["phases"].items():  # the component's own words, last, where they are seen
         if info.get("error"):
             print(f"agentrl run: phase {phase} failed: {info['error']}", file=sys.stderr)
@@ -156,6 +164,24 @@ def _print_table(report: dict) -> None:
     console = Console()
     console.print(table)
     console.print(f"MLflow: {report['tracking_uri']}  (agentrl ui)")
+
+
+def cmd_flush(args) -> int:
+    """Send the metrics, tags, artifacts and run statuses that phases left buffered while MLflow was unreachable."""
+    from components.core.tracking import flush_pending
+
+    home = Path(args.home or os.environ.get("AGENTRL_HOME", ".agentrl")).resolve()
+    result = flush_pending(home / "metric_buffer", args.tracking_uri, quiet=True)
+    for run_id, r in result.items():
+        print(f"run {run_id}: sent {r['sent'][0]} metrics and {r['sent'][1]} calls; left {r['left'][0]} and "
+              f"{r['left'][1]}")
+    left = [k for k, r in result.items() if r["left"] != (0, 0)]
+    if left:
+        print(f"agentrl flush: {len(left)} runs still buffered in {home / 'metric_buffer'} (server unreachable?)",
+              file=sys.stderr)
+        return 1
+    print(f"agentrl flush: nothing left buffered in {home / 'metric_buffer'}")
+    return 0
 
 
 def cmd_model_import(args) -> int:
@@ -404,7 +430,11 @@ def cmd_sandbox_serve(args) -> int:
         world = generate_world(cfg.sandbox)
     print(f"agentrl sandbox: world {world.digest()[:16]} ({len(world.users)} users) on http://{args.host}:{args.port}",
           flush=True)
-    serve(args.host, args.port, world, cfg.sandbox, cfg.rewards)
+    try:
+        serve(args.host, args.port, world, cfg.sandbox, cfg.rewards, token_file=args.token_file)
+    except (ValueError, OSError) as exc:  # no tokens off loopback, an unreadable token file, a bad token
+        print(f"agentrl: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -475,6 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-template", default=None, help="replace the chat template: 'chatml' or a Jinja file")
     p.add_argument("--observation-role", choices=("auto", "tool", "user"), default="auto")
     p.set_defaults(fn=cmd_model_import)
+    p = sub.add_parser("flush", help="send what phases left buffered while the MLflow server was unreachable")
+    p.add_argument("--home", default=None, help="the agentrl home (default: $AGENTRL_HOME or .agentrl)")
+    p.add_argument("--tracking-uri", default=None, help="send there instead of each run's own server")
+    p.set_defaults(fn=cmd_flush)
     p = sub.add_parser("ui", help="the MLflow UI on the local store")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)
@@ -486,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--world", default=None, help="world.json (path or s3://) from sandbox_build; default: generate")
+    p.add_argument("--token-file", default=None, help="bearer tokens, `client:token` per line (also read from "
+                   "$AGENTRL_SANDBOX_TOKENS); without any the server binds loopback only")
     p.set_defaults(fn=cmd_sandbox_serve)
     args = parser.parse_args(argv)
     try:

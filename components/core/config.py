@@ -165,6 +165,9 @@ class TrackingConfig(_Section):
     registered_model: str = Field("agentrl-policy", min_length=1, max_length=200)
     request_timeout_s: float = Field(10.0, gt=0, le=600)
     request_retries: int = Field(2, ge=0, le=20)
+    flush_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="how long a phase's end waits for an unreachable server to take what is "
+        "buffered; what is left stays on disk for the next phase or `agentrl flush`")
 
 
 class StorageConfig(_Section):
@@ -231,6 +234,22 @@ TaskPool = Annotated[Literal["practice", "train"], Field(
     "them (its practice suite; a success then needs what generalises, not a memorised demo), 'train' = the demos' own")]
 
 
+class SandboxServerConfig(_Section):
+    """`agentrl sandbox serve`: limits that keep tenants apart. Tokens are not config: they come from the
+    environment (AGENTRL_SANDBOX_TOKENS, a Kubernetes Secret in the chart) or --token-file."""
+
+    max_sessions: int = Field(256, ge=1, le=100_000, description="sessions on one server, all clients together")
+    sessions_per_client: int = Field(32, ge=1, le=100_000, description="sessions one client (one token) may hold")
+    inflight_per_client: int = Field(8, ge=1, le=10_000, description="requests one client may have in the executor")
+    idle_s: float = Field(900.0, gt=0, le=86_400, description="a session unused this long is closed")
+    workers: int = Field(16, ge=1, le=1024, description="executor threads that run reset/step/verify")
+    queue: int = Field(64, ge=0, le=100_000, description="requests that may wait for a worker; beyond it: 503")
+    max_request_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="request bodies above it: 413")
+    max_action_chars: int = Field(65_536, ge=256, le=1 << 26, description="an action's text is cut to this size")
+    max_setup_items: int = Field(1000, ge=0, le=1_000_000, description="cap on a task's options.setup items")
+    max_skills: int = Field(256, ge=1, le=100_000, description="skills one session keeps (the oldest go first)")
+
+
 class SandboxConfig(_Section):
     seed: int = Field(0, ge=0)
     num_users: int = Field(6, ge=1, le=100_000)
@@ -272,6 +291,7 @@ class SandboxConfig(_Section):
         "and file limits, seccomp) refuses to start; 'auto': it runs with the walls this host allows and logs the "
         "missing ones (a pod whose runtime forbids namespaces keeps the policy, rlimits and seccomp)")
     skill_retrieval_k: int = Field(4, ge=0, le=100)
+    server: SandboxServerConfig = Field(default_factory=SandboxServerConfig)
 
     @model_validator(mode="after")
     def _suites(self) -> SandboxConfig:

@@ -6,11 +6,13 @@ Where the run comes from, in order:
 3. nothing: a parent run is created, and the phase run under it.
 
 Metric keys are `<phase>/<name>`, step = optimizer step. Params are the flattened resolved config with
-secrets scrubbed. If the tracking server becomes unreachable mid-run the work goes on: metrics are
-appended to a buffer file on disk (with one warning per outage) and flushed when the server answers
-again. A buffered batch may have reached the server before its connection failed, so buffered
-metrics are de-duplicated against the server's history before they are sent: none lost, none doubled.
-(MLflow's own async logging keeps its queue in memory only, hence this small layer.)
+secrets scrubbed. Logging never waits on the server: metrics are appended to a buffer file on disk and
+a background sender sends them; while the server is unreachable it retries with backoff (one warning
+per outage) and the phase trains on. A batch may have reached the server before its connection
+failed, so a batch sent again is de-duplicated against the server's history: none lost, none doubled.
+Tags, artifacts and the run's final status wait in the same directory while the server is down. A phase
+that ends with something still buffered says so; the next phase (any run on the same home) or
+`agentrl flush` sends it. (MLflow's own async logging keeps its queue in memory only, hence this layer.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -31,7 +34,7 @@ from components.core.config import PipelineConfig, flatten, load_config
 
 log = logging.getLogger("agentrl.tracking")
 
-__all__ = ["setup_phase", "NullRun", "phase_run", "rank", "start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry"]
+__all__ = ["setup_phase", "NullRun", "phase_run", "rank", "start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry", "flush_pending"]
 
 _SECRET_KEY = re.compile(
     r"(^|[._-])(secret|secrets|password|passwd|pwd|token|api[_-]?key|access[_-]?key|secret[_-]?key|"
@@ -127,8 +130,199 @@ class MetricBuffer:
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
 
+    def take(self, dest: Path) -> bool:
+        """Move the buffer to `dest` (the batch being sent) unless `dest` still holds an unsent one."""
+        if dest.exists() or not self.path.exists():
+            return False
+        os.replace(self.path, dest)
+        return True
+
     def __len__(self) -> int:
         return len(self.load())
+
+
+def _dedup(client, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics of `batch` the server does not have yet (a batch sent again may have partly arrived)."""
+    seen: set[tuple[str, int, int, float]] = set()
+    run_ids = {m["run_id"] for m in batch}
+    for run_id in run_ids:
+        for k in {m["key"] for m in batch if m["run_id"] == run_id}:
+            for h in client.get_metric_history(run_id, k):
+                seen.add((k, int(h.step), int(h.timestamp), float(h.value)))
+    fresh, dedup = [], set()
+    for m in batch:
+        ident = (m["key"], int(m["step"]), int(m["timestamp"]), float(m["value"]))
+        if ident not in seen and ident not in dedup:
+            dedup.add(ident)
+            fresh.append(m)
+    return fresh
+
+
+class Outbox:
+    """What one run has not sent yet, on disk under the buffer directory: metrics (`<run>.jsonl`, and the
+    batch in flight `<run>.sending.jsonl`), other calls in order (`<run>.ops.jsonl`: tags, artifacts kept in
+    `<run>.artifacts/`, final statuses) and `<run>.meta.json` (where it goes). Any process can send it."""
+
+    def __init__(self, root: Path, run_id: str, tracking_uri: str) -> None:
+        self.root, self.run_id, self.tracking_uri = Path(root), run_id, tracking_uri
+        self.metrics = MetricBuffer(self.root / f"{run_id}.jsonl")
+        self.sending = self.root / f"{run_id}.sending.jsonl"
+        self.ops = self.root / f"{run_id}.ops.jsonl"
+        self.artifacts = self.root / f"{run_id}.artifacts"
+        self.meta = self.root / f"{run_id}.meta.json"
+        self.lock = threading.Lock()  # guards the files
+        self.send_lock = threading.Lock()  # one sender at a time (the background one, flush(), flush_pending)
+        self.retry = self.sending.exists()  # left by an earlier attempt: it may have partly reached the server
+
+    def open(self) -> Outbox:
+        if not self.meta.exists():
+            self.meta.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": self.tracking_uri}))
+        return self
+
+    def add_metrics(self, batch: list[dict[str, Any]]) -> None:
+        with self.lock:
+            self.metrics.append([{**m, "run_id": self.run_id} for m in batch])
+
+    def add_op(self, op: dict[str, Any]) -> None:
+        with self.lock:
+            self.open()
+            with open(self.ops, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(op) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    def keep_artifact(self, local: str, artifact_path: str | None) -> None:
+        n = len(list(self.artifacts.glob("*"))) if self.artifacts.exists() else 0
+        dest = self.artifacts / f"{n}" / Path(local).name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if Path(local).is_dir() else shutil.copyfile)(local, dest)
+        self.add_op({"op": "artifact", "run_id": self.run_id, "local": str(dest), "path": artifact_path})
+
+    def _ops(self) -> list[dict[str, Any]]:
+        return MetricBuffer(self.ops).load() if self.ops.exists() else []
+
+    def pending(self) -> tuple[int, int]:
+        """(metrics, other calls) not sent yet."""
+        with self.lock:
+            n = len(self.metrics) + (len(MetricBuffer(self.sending)) if self.sending.exists() else 0)
+            return n, len(self._ops())
+
+    def empty(self) -> bool:
+        return self.pending() == (0, 0)
+
+    def send(self, client) -> None:
+        """Send everything pending: metrics first, then the other calls in order. Raises what the client raised
+        (nothing is lost: what was not confirmed stays on disk)."""
+        with self.send_lock:
+            self._send(client)
+
+    def _send(self, client) -> None:
+        from mlflow.entities import Metric
+
+        while True:
+            with self.lock:
+                if not self.sending.exists():
+                    if not self.metrics.take(self.sending):
+                        break
+                    self.retry = False
+            batch = MetricBuffer(self.sending).load()
+            if self.retry:
+                batch = _dedup(client, batch)
+            self.retry = True  # until confirmed
+            for i in range(0, len(batch), 1000):
+                chunk = batch[i : i + 1000]
+                for run_id in dict.fromkeys(m["run_id"] for m in chunk):
+                    client.log_batch(run_id, metrics=[Metric(m["key"], m["value"], m["timestamp"], m["step"])
+                                                      for m in chunk if m["run_id"] == run_id])
+            self.sending.unlink()
+            self.retry = False
+        with self.lock:
+            ops = self._ops()
+        done = 0
+        try:
+            for op in ops:
+                if op["op"] == "tag":
+                    client.set_tag(op["run_id"], op["key"], op["value"])
+                elif op["op"] == "artifact":
+                    local = op["local"]
+                    if Path(local).is_dir():
+                        client.log_artifacts(op["run_id"], local, op["path"])
+                    else:
+                        client.log_artifact(op["run_id"], local, op["path"])
+                elif op["op"] == "terminate":
+                    client.set_terminated(op["run_id"], status=op["status"])
+                done += 1
+        finally:
+            if done:
+                with self.lock:  # drop what was applied; calls added meanwhile stay
+                    rest = self._ops()[done:]
+                    tmp = self.ops.with_suffix(".tmp")
+                    tmp.write_text("".join(json.dumps(o) + "\n" for o in rest))
+                    os.replace(tmp, self.ops)
+        with self.lock:
+            if not self.metrics.path.exists() and not self.sending.exists() and not self._ops():
+                self.ops.unlink(missing_ok=True)
+                shutil.rmtree(self.artifacts, ignore_errors=True)
+                self.meta.unlink(missing_ok=True)
+
+
+class _Sender(threading.Thread):
+    """Sends a run's outbox in the background, so that a log call never waits on the server: woken by each
+    log call, it retries with backoff (1 s doubling to 30 s) while the server is unreachable."""
+
+    def __init__(self, run: PhaseRun, outbox: Outbox) -> None:
+        super().__init__(name=f"mlflow-sender-{run.phase}", daemon=True)
+        self.run_, self.outbox = run, outbox
+        self.wake_ev = threading.Event()
+        self.stopping = threading.Event()
+        self.down = False
+        self.error: BaseException | None = None
+        self.deadline = float("inf")
+        self.attempts = 0
+        self.in_flight = False
+        self.leftovers = True  # first: what earlier runs on this home left buffered
+
+    def wake(self) -> None:
+        self.wake_ev.set()
+
+    def run(self) -> None:
+        backoff = 1.0
+        while True:
+            self.wake_ev.wait(timeout=backoff if self.down else None)
+            self.wake_ev.clear()
+            try:
+                if self.leftovers:
+                    self.leftovers = False
+                    flush_pending(self.outbox.root, self.outbox.tracking_uri, exclude={self.outbox.run_id}, quiet=True)
+                self.attempts += 1
+                self.in_flight = True
+                try:
+                    self.outbox.send(self.run_.client)
+                finally:
+                    self.in_flight = False
+                if self.down:
+                    log.warning("MLflow tracking server is back: buffered metrics sent")
+                self.down, backoff = False, 1.0
+            except Exception as exc:  # noqa: BLE001 - the phase goes on; the data stays on disk
+                if not _is_unreachable(exc):
+                    log.error("MLflow refused a buffered call of %s (%s: %s); it stays in %s", self.run_.phase,
+                              type(exc).__name__, str(exc)[:300], self.outbox.root)
+                    self.error = exc
+                elif not self.down:
+                    warnings.warn(
+                        f"MLflow tracking server {self.run_.tracking_uri} unreachable ({type(exc).__name__}); "
+                        f"training goes on, metrics are buffered in {self.outbox.root} and sent when it is back",
+                        RuntimeWarning, stacklevel=1)
+                self.down, backoff = True, (min(backoff * 2, 30.0) if not self.stopping.is_set() else 0.5)
+            if self.stopping.is_set() and (not self.down or time.monotonic() >= self.deadline or self.error):
+                return
+
+    def stop(self, timeout_s: float) -> None:
+        """Send what is left, waiting at most `timeout_s` for an unreachable server."""
+        self.deadline = time.monotonic() + timeout_s
+        self.stopping.set()
+        self.wake()
+        self.join(timeout_s + 5.0)
 
 
 class PhaseRun:
@@ -172,7 +366,10 @@ class PhaseRun:
         self.created_parent = False
         self._warned = False
         self._buffer: MetricBuffer | None = None
-        self._pending_artifacts: list[tuple[str, str | None]] = []
+        self._outbox: Outbox | None = None
+        self._sender: _Sender | None = None
+        self.flush_timeout_s = tcfg.flush_timeout_s if tcfg else 30.0
+        self.left_buffered: tuple[int, int] = (0, 0)  # (metrics, other calls) still on disk when the phase ended
         if tcfg is not None:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(tcfg.request_timeout_s)))
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(tcfg.request_retries))
@@ -214,7 +411,10 @@ class PhaseRun:
             run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
             self.run_id = run.info.run_id
         os.environ["AGENTRL_PHASE"] = self.phase  # named in storage errors
-        self._buffer = MetricBuffer(self.buffer_root / f"{self.run_id}.jsonl")
+        self._outbox = Outbox(self.buffer_root, self.run_id, self.tracking_uri).open()
+        self._buffer = self._outbox.metrics
+        self._sender = _Sender(self, self._outbox)
+        self._sender.start()
         if self.config is not None and not self.resume_run_id:  # params are write-once in MLflow
             self.log_params(flatten(self.config.to_dict()))
         return self
@@ -239,18 +439,46 @@ class PhaseRun:
         return out
 
     def end(self, status: str = "FINISHED") -> None:
-        if self.run_id is None:
+        if self.run_id is None or self._sender is None:
             return
-        self.flush(final=True)
-        try:
-            if os.environ.get("MLFLOW_RUN_ID") != self.run_id:
-                self.client.set_terminated(self.run_id, status=status)
-            if self.created_parent and self.close_parent:
-                self.client.set_terminated(self.parent_run_id, status=status)
-        except Exception as exc:  # the metrics are safe on disk; the status is cosmetic
-            if not _is_unreachable(exc):
-                raise
-            log.warning("tracking server unreachable at the end of %s: run status not set", self.phase)
+        sender, self._sender = self._sender, None
+        sender.stop(self.flush_timeout_s)
+        ends = []
+        if os.environ.get("MLFLOW_RUN_ID") != self.run_id:
+            ends.append(self.run_id)
+        if self.created_parent and self.close_parent:
+            ends.append(self.parent_run_id)
+        for run_id in ends:
+            self._call({"op": "terminate", "run_id": run_id, "status": status}, queue_only=not self._outbox.empty())
+        self.left_buffered = self._outbox.pending()
+        if self.left_buffered != (0, 0):
+            n, ops = self.left_buffered
+            log.warning(
+                "%s ended with %d metrics and %d other tracking calls (tags, artifacts, run status) not sent: the MLflow "
+                "server %s is unreachable. They are kept in %s; the next phase on this home or `agentrl flush` sends "
+                "them.", self.phase, n, ops, self.tracking_uri, self._outbox.root,
+            )
+            print(f"agentrl: {self.phase}: {n} metrics and {ops} tracking calls still buffered in "
+                  f"{self._outbox.root} (run `agentrl flush`)", file=__import__("sys").stderr, flush=True)
+        if sender.error is not None:
+            raise RuntimeError(f"MLflow refused a buffered call of {self.phase}: {sender.error}") from sender.error
+
+    def _call(self, op: dict[str, Any], queue_only: bool = False) -> None:
+        """Apply one tag/terminate call now, or keep it in the outbox when the server is (known to be) down."""
+        if not queue_only and not (self._sender is not None and self._sender.down):
+            try:
+                if op["op"] == "tag":
+                    self.client.set_tag(op["run_id"], op["key"], op["value"])
+                else:
+                    self.client.set_terminated(op["run_id"], status=op["status"])
+                return
+            except Exception as exc:
+                if not _is_unreachable(exc):
+                    raise
+                self._warn(exc)
+        self._outbox.add_op(op)
+        if self._sender is not None:
+            self._sender.wake()
 
     def __enter__(self) -> PhaseRun:
         return self.start()
@@ -288,79 +516,39 @@ class PhaseRun:
     def log_metric(self, name: str, value: float, step: int = 0) -> None:
         self.log_metrics({name: value}, step=step)
 
-    def _post(self, batch: list[dict[str, Any]]) -> None:
-        from mlflow.entities import Metric
-
-        for i in range(0, len(batch), 1000):
-            chunk = [Metric(m["key"], m["value"], m["timestamp"], m["step"]) for m in batch[i : i + 1000]]
-            self.client.log_batch(self.run_id, metrics=chunk)
-
     def _send(self, batch: list[dict[str, Any]]) -> None:
-        assert self._buffer is not None, "PhaseRun not started"
-        if not self.flush():
-            self._buffer.append(batch)
-            return
-        try:
-            self._post(batch)
-        except Exception as exc:
-            if not _is_unreachable(exc):
-                raise
-            self._warn(exc)
-            self._buffer.append(batch)
+        assert self._outbox is not None, "PhaseRun not started"
+        self._outbox.add_metrics(batch)  # on disk first: the background sender sends it; this never waits
+        if self._sender is not None:
+            self._sender.wake()
 
     def _warn(self, exc: BaseException) -> None:
+        if self._sender is not None:
+            self._sender.down = True  # the next calls go straight to the outbox
         if not self._warned:
             warnings.warn(
                 f"MLflow tracking server {self.tracking_uri} unreachable ({type(exc).__name__}); "
-                f"metrics are buffered in {self._buffer.path} and will be sent when it is back",
+                f"tracking calls are buffered in {self.buffer_root} and will be sent when it is back",
                 RuntimeWarning,
                 stacklevel=3,
             )
             self._warned = True
 
-    def _already_logged(self, keys: set[str]) -> set[tuple[str, int, int, float]]:
-        seen: set[tuple[str, int, int, float]] = set()
-        for k in keys:
-            for m in self.client.get_metric_history(self.run_id, k):
-                seen.add((m.key, int(m.step), int(m.timestamp), float(m.value)))
-        return seen
+    def pending(self) -> tuple[int, int]:
+        """(metrics, other tracking calls) not sent yet."""
+        return self._outbox.pending() if self._outbox else (0, 0)
 
     def flush(self, final: bool = False) -> bool:
-        """Send buffered metrics (and artifacts). True when nothing is left pending."""
-        if self._buffer is None:
-            return True
-        pending = self._buffer.load()
-        if not pending and not self._pending_artifacts:
+        """Send what is buffered now, in this thread. True when nothing is left pending."""
+        if self._outbox is None:
             return True
         try:
-            if pending:
-                seen = self._already_logged({m["key"] for m in pending})
-                fresh, dedup = [], set()
-                for m in pending:
-                    ident = (m["key"], int(m["step"]), int(m["timestamp"]), float(m["value"]))
-                    if ident in seen or ident in dedup:
-                        continue
-                    dedup.add(ident)
-                    fresh.append(m)
-                self._post(fresh)
-                self._buffer.clear()
-            while self._pending_artifacts:
-                local, path = self._pending_artifacts[0]
-                self._upload_artifact(local, path)
-                self._pending_artifacts.pop(0)
+            self._outbox.send(self.client)
         except Exception as exc:
             if not _is_unreachable(exc):
                 raise
             self._warn(exc)
-            if final:
-                log.warning(
-                    "tracking server still unreachable at the end of %s: %d metrics stay in %s",
-                    self.phase, len(self._buffer), self._buffer.path,
-                )
             return False
-        if self._warned:
-            log.warning("MLflow tracking server is back: buffered metrics sent")
-            self._warned = False
         return True
 
     # -- artifacts -----------------------------------------------------------------------------
@@ -371,19 +559,19 @@ class PhaseRun:
             self.client.log_artifact(self.run_id, local, artifact_path)
 
     def log_artifact(self, local: str | os.PathLike, artifact_path: str | None = None) -> None:
-        """Log a file or a directory; if the store is unreachable it is kept and uploaded on flush."""
+        """Log a file or a directory; while the server is unreachable a copy is kept and uploaded later."""
         local = str(local)
-        try:
-            self._upload_artifact(local, artifact_path)
-        except Exception as exc:
-            if not _is_unreachable(exc):
-                raise
-            self._warn(exc)
-            keep = self.buffer_root / f"{self.run_id}.artifacts" / f"{len(self._pending_artifacts)}"
-            keep.mkdir(parents=True, exist_ok=True)
-            dest = keep / Path(local).name
-            (shutil.copytree if Path(local).is_dir() else shutil.copyfile)(local, dest)
-            self._pending_artifacts.append((str(dest), artifact_path))
+        if not (self._sender is not None and self._sender.down):
+            try:
+                self._upload_artifact(local, artifact_path)
+                return
+            except Exception as exc:
+                if not _is_unreachable(exc):
+                    raise
+                self._warn(exc)
+        self._outbox.keep_artifact(local, artifact_path)
+        if self._sender is not None:
+            self._sender.wake()
 
     def artifact_uri(self, artifact_path: str = "") -> str:
         base = self.client.get_run(self.run_id).info.artifact_uri
@@ -408,7 +596,7 @@ class PhaseRun:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         for k, v in scrub(tags).items():
-            self.client.set_tag(self.run_id, k, str(v))
+            self._call({"op": "tag", "run_id": self.run_id, "key": k, "value": str(v)})
 
     # -- registry ------------------------------------------------------------------------------
     def register_model(self, artifact_path: str, alias: str | None = None, tags: Mapping[str, str] | None = None):
@@ -416,6 +604,33 @@ class PhaseRun:
         return Registry(self.tracking_uri, self.registered_model).register(
             source=self.artifact_uri(artifact_path), run_id=self.run_id, alias=alias, tags=tags
         )
+
+
+def flush_pending(root: str | os.PathLike, tracking_uri: str | None = None, exclude: set[str] = frozenset(),
+                  quiet: bool = False) -> dict[str, dict[str, tuple[int, int]]]:
+    """Send what runs left buffered under `root` (a phase that ended while the server was down). Each goes to
+    the server its run used (or `tracking_uri`). Returns run id -> {"sent": (metrics, calls), "left": (...)}."""
+    from mlflow import MlflowClient
+
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    root = Path(root)
+    for meta in sorted(root.glob("*.meta.json")) if root.exists() else []:
+        info = json.loads(meta.read_text())
+        if info["run_id"] in exclude:
+            continue
+        box = Outbox(root, info["run_id"], tracking_uri or info["tracking_uri"])
+        before = box.pending()
+        try:
+            box.send(MlflowClient(tracking_uri=box.tracking_uri))
+        except Exception as exc:
+            if not _is_unreachable(exc):
+                raise
+        after = box.pending()
+        out[info["run_id"]] = {"sent": (before[0] - after[0], before[1] - after[1]), "left": after}
+        if not quiet and before != (0, 0):
+            log.warning("run %s: sent %d buffered metrics and %d calls; %d and %d left", info["run_id"],
+                        before[0] - after[0], before[1] - after[1], *after)
+    return out
 
 
 def ensure_experiment(client, name: str, tracking_uri: str) -> str:

@@ -39,8 +39,9 @@ def jaccard(a: str, b: str) -> float:
 
 
 class SkillLibrary:
-    def __init__(self, skills: list[Skill] | None = None) -> None:
+    def __init__(self, skills: list[Skill] | None = None, max_size: int | None = None) -> None:
         self.skills: list[Skill] = list(skills or [])
+        self.max_size = max_size  # a server's cap per session: the oldest skills go first
 
     def __len__(self) -> int:
         return len(self.skills)
@@ -49,6 +50,8 @@ class SkillLibrary:
         # the newest definition of a name within a scenario wins
         self.skills = [s for s in self.skills if not (s.name == skill.name and s.scenario_id == skill.scenario_id)]
         self.skills.append(skill)
+        if self.max_size is not None and len(self.skills) > self.max_size:
+            del self.skills[: len(self.skills) - self.max_size]
 
     def retrieve(self, scenario_id: str, instruction: str, k: int = 4, mode: str = "scenario") -> list[Skill]:
         """Up to k skills. A skill comes with the other skills saved from the same task (the functions it
@@ -84,4 +87,4 @@ class SkillLibrary:
         return cls([Skill(**d) for d in json.loads(text)])
 
     def copy(self) -> SkillLibrary:
-        return SkillLibrary(list(self.skills))
+        return SkillLibrary(list(self.skills), self.max_size)

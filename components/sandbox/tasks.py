@@ -583,6 +583,40 @@ SUITE_FAMILIES = {"easy": CORE_EASY, "hard": CORE_HARD, "safety": SAFETY, "robus
 HELDOUT_SHARE = 0.35
 
 
+KNOWN_OPTIONS = {"setup": dict, "rate_limit_every": int, "error_rate": float, "approve_send": bool, "clarification": str}
+SETUP_KEYS = {"newsletters": int, "variant": int}
+
+
+def check_options(options: Any, max_setup_items: int, max_text: int = 4000) -> None:
+    """A task's env options as a server takes them from a client: known keys, right types, bounded sizes
+    (`options.setup.newsletters` adds that many emails to the episode's world). Raises ValueError naming the
+    field."""
+    if not isinstance(options, dict):
+        raise ValueError(f"options: expected an object, got {type(options).__name__}")
+    for key, value in options.items():
+        want = KNOWN_OPTIONS.get(key)
+        if want is None:
+            raise ValueError(f"options.{key}: unknown option; known: {sorted(KNOWN_OPTIONS)}")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else (
+            isinstance(value, want) and (want is bool or not isinstance(value, bool)))
+        if not ok:
+            raise ValueError(f"options.{key}: expected {want.__name__}, got {type(value).__name__}")
+    if not 0 <= options.get("error_rate", 0) <= 1:
+        raise ValueError("options.error_rate: expected 0 <= error_rate <= 1")
+    if not 0 <= options.get("rate_limit_every", 0) <= 1000:
+        raise ValueError("options.rate_limit_every: expected 0..1000")
+    if len(options.get("clarification", "")) > max_text:
+        raise ValueError(f"options.clarification: at most {max_text} characters")
+    for key, value in options.get("setup", {}).items():
+        if key not in SETUP_KEYS:
+            raise ValueError(f"options.setup.{key}: unknown; known: {sorted(SETUP_KEYS)}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"options.setup.{key}: expected int, got {type(value).__name__}")
+    n = options.get("setup", {}).get("newsletters", 0)
+    if not 0 <= n <= max_setup_items:
+        raise ValueError(f"options.setup.newsletters: {n} is outside 0..{max_setup_items} (the server's cap)")
+
+
 def apply_setup(world: World, user: str, setup: dict[str, Any]) -> None:
     """Per-task additions to the base world (e.g. 120 newsletters for the bulk-action task)."""
     n = int(setup.get("newsletters", 0))

@@ -94,6 +94,37 @@ def bench_tracking(out: dict, tracking_uri: str) -> None:
         "value": round(n / ours_t, 1), "unit": "calls/s", "goal": None,
         "baseline": round(n / raw_t, 1), "ratio": round(raw_t / ours_t, 3),
     }
+    # the server down (nothing listens on the port), production retry settings: a log call must not wait on it
+    from tests.helpers.servers import HOST, free_port
+
+    dead = f"http://{HOST}:{free_port()}"
+    with tempfile.TemporaryDirectory() as d:
+        run = PhaseRun("bench", tracking_uri=dead, experiment="bench", buffer_dir=d)
+        run.run_id, run.parent_run_id = "deadbeef", "deadbeef"  # no server to create a run on
+        from components.core.tracking import Outbox, _Sender
+
+        run._outbox = Outbox(Path(d), run.run_id, dead).open()
+        run._sender = _Sender(run, run._outbox)
+        run._sender.leftovers = False
+        run._sender.start()
+        ours_t = timed(ours, 1)
+        pending = run.pending()[0]
+        run.flush_timeout_s = 0.0
+        run.end()
+        client = MlflowClient(dead)
+
+        def raw_down():
+            for i in range(2):
+                try:
+                    client.log_batch("deadbeef", metrics=[Metric("bench/raw", 1.0, int(time.time() * 1000), i)])
+                except Exception:  # noqa: BLE001 - the point: how long it waits before it fails
+                    pass
+
+        raw_t = timed(raw_down, 1) / 2 * n
+    out["tracking.log_metrics_per_s_server_down"] = {
+        "value": round(n / ours_t, 1), "unit": "calls/s", "goal": None, "baseline": round(n / raw_t, 3),
+        "ratio": round(raw_t / ours_t, 1), "buffered": pending,
+    }
 
 
 def bench_schema(out: dict) -> None:

@@ -63,5 +63,23 @@ def bench_sandbox(out: dict, seconds: float = 3.0) -> None:
         remote.close()
     finally:
         _stop(proc)
+    # 2,000 mixed, partly hostile requests from 16 clients with their own tokens (tests/helpers/sandbox_load.py)
+    import tempfile
+    from pathlib import Path
+
+    from tests.helpers.sandbox_load import SandboxServer, make_tokens, mixed_load
+
+    tokens = make_tokens(16)
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = SandboxServer(tokens, Path(tmp) / "server.log")
+        try:
+            load = mixed_load(srv.url, tokens, [t for s in ("easy", "hard", "safety") for t in
+                                                generate_tasks(world, cfg)[s][:10]], requests_total=2000)
+        finally:
+            srv.stop()
+    fives = sum(n for code, n in load["by_status"].items() if code >= 500)
+    out["sandbox.http_p99_ms_16_clients"] = {"value": load["p99_ms"], "unit": "ms", "goal": 1000, "baseline": None,
+                                             "ratio": round(load["p99_ms"] / 1000, 3), "p50_ms": load["p50_ms"],
+                                             "requests": load["requests"], "answers_5xx": fives}
     out["sandbox.http_steps_per_s"] = {"value": round(http_rate), "unit": "steps/s", "goal": None,
                                        "baseline": round(json_rate), "ratio": round(http_rate / json_rate, 4)}

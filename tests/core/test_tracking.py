@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 
 import boto3
@@ -62,26 +64,38 @@ def test_nested_runs_metric_keys_artifacts_and_alias(mlflow_server, bucket, tmp_
     assert champ is not None and champ.version == mv.version and champ.run_id == sft.run_id
 
 
+def until(cond, what: str, tries: int = 600) -> None:
+    """Wait for the background sender to reach a state (bounded by tries, not by a timing assertion)."""
+    for _ in range(tries):
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
 def test_server_down_mid_run_loses_and_duplicates_nothing(mlflow_server, tmp_path, fast_fail):
     cfg = load_config(set_pairs=[f"run.home={tmp_path / 'home'}"])
     run = PhaseRun("grpo", config=cfg, tracking_uri=mlflow_server.url, experiment="outage").start()
     for step in range(5):
         run.log_metrics({"loss": 10.0 - step, "reward": step / 10}, step=step)
+    run.flush()
     mlflow_server.stop()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         for step in range(5, 10):
             run.log_metrics({"loss": 10.0 - step, "reward": step / 10}, step=step)  # must not raise
-    assert any("unreachable" in str(w.message) for w in caught)
-    assert len(run._buffer) == 10
+        until(lambda: run._sender.down, "the sender notices the outage")
+    assert run.pending()[0] == 10
     mlflow_server.start()
     for step in range(10, 15):
         run.log_metrics({"loss": 10.0 - step, "reward": step / 10}, step=step)
     run.end()
+    assert run.left_buffered == (0, 0)
     client = MlflowClient(mlflow_server.url)
     for key, fn in (("grpo/loss", lambda s: 10.0 - s), ("grpo/reward", lambda s: s / 10)):
         assert history(client, run.run_id, key) == [(s, fn(s)) for s in range(15)]
-    assert not run._buffer.path.exists()
+    assert client.get_run(run.run_id).info.status == "FINISHED"
+    assert list(run.buffer_root.iterdir()) == []
 
 
 def test_answer_lost_after_server_stored_the_batch_is_not_duplicated(mlflow_server, tmp_path, fast_fail):
@@ -90,17 +104,79 @@ def test_answer_lost_after_server_stored_the_batch_is_not_duplicated(mlflow_serv
         cfg = load_config(set_pairs=[f"run.home={tmp_path / 'home'}"])
         run = PhaseRun("dpo", config=cfg, tracking_uri=proxy.url, experiment="lost").start()
         run.log_metrics({"loss": 1.0}, step=0)
+        run.flush()
         proxy.drop_responses = 1  # the next batch reaches the server, its answer is lost
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run.log_metrics({"loss": 0.5}, step=1)
-        assert proxy.dropped == 1 and len(run._buffer) == 1
+            until(lambda: proxy.dropped == 1 and not run._sender.in_flight, "the answer is dropped")
         run.log_metrics({"loss": 0.25}, step=2)
         run.end()
         client = MlflowClient(mlflow_server.url)
         assert history(client, run.run_id, "dpo/loss") == [(0, 1.0), (1, 0.5), (2, 0.25)]
     finally:
         proxy.stop()
+
+
+def test_logging_never_waits_on_a_hung_server(mlflow_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "300")  # the hung request would wait this long
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    proxy = FaultProxy(mlflow_server.url).start()
+    try:
+        cfg = load_config(set_pairs=[f"run.home={tmp_path / 'home'}"])
+        run = PhaseRun("grpo", config=cfg, tracking_uri=proxy.url, experiment="hung").start()
+        run.flush()
+        proxy.hold = threading.Event()  # from now on the server takes requests and answers none
+        run.log_metrics({"loss": 0.0}, step=0)
+        until(lambda: proxy.held >= 1, "the sender's request hangs")
+        for step in range(1, 200):
+            run.log_metrics({"loss": float(step)}, step=step)  # each returns although the sender is stuck
+        assert run._sender.in_flight and run._sender.attempts == 1 and run.pending()[0] == 200
+        proxy.hold.set()  # the server answers again
+        run.end()
+        client = MlflowClient(mlflow_server.url)
+        assert history(client, run.run_id, "grpo/loss") == [(s, float(s)) for s in range(200)]
+    finally:
+        proxy.hold.set()
+        proxy.stop()
+
+
+def test_a_tail_buffered_at_the_end_is_sent_by_the_next_phase_or_agentrl_flush(mlflow_server, tmp_path, fast_fail,
+                                                                               capsys):
+    from pipelines.cli import main
+
+    home = tmp_path / "home"
+    cfg = load_config(set_pairs=[f"run.home={home}", "tracking.flush_timeout_s=1.0"])
+    client = MlflowClient(mlflow_server.url)
+    art = tmp_path / "report.md"
+    art.write_text("# report")
+    for flusher in ("next phase", "agentrl flush"):
+        run = PhaseRun("eval", config=cfg, tracking_uri=mlflow_server.url, experiment="tail").start()
+        run.log_metrics({"acc": 0.5}, step=0)
+        run.flush()
+        mlflow_server.stop()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run.log_metrics({"acc": 0.75}, step=1)
+            run.set_tags({"agentrl.note": "tail"})
+            run.log_artifact(art, "report")
+            run.end()
+        n, ops = run.left_buffered
+        assert n == 1 and ops == 4  # the metric; the tag, the artifact and both runs' final statuses
+        assert "still buffered" in capsys.readouterr().err
+        mlflow_server.start()
+        assert client.get_run(run.run_id).info.status == "RUNNING"
+        if flusher == "next phase":
+            with PhaseRun("gate", config=cfg, tracking_uri=mlflow_server.url, experiment="tail") as nxt:
+                nxt.log_metrics({"x": 1.0}, step=0)
+        else:
+            assert main(["flush", "--home", str(home), "--tracking-uri", mlflow_server.url]) == 0
+        got = client.get_run(run.run_id)
+        assert history(client, run.run_id, "eval/acc") == [(0, 0.5), (1, 0.75)], flusher
+        assert got.info.status == "FINISHED" and got.data.tags["agentrl.note"] == "tail"
+        assert client.get_run(run.parent_run_id).info.status == "FINISHED"
+        assert [a.path for a in client.list_artifacts(run.run_id, "report")] == ["report/report.md"]
+        assert not [p for p in (home / "metric_buffer").iterdir() if run.run_id in p.name], flusher
 
 
 def test_kfp_injected_run_is_used(mlflow_server, tmp_path, fast_fail, monkeypatch):

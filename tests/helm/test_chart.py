@@ -87,6 +87,9 @@ def test_no_secret_is_inlined_and_pods_are_locked_down():
 def test_sandbox_has_no_egress_and_rbac_is_namespaced_and_minimal():
     sandbox = TEMPLATES["sandbox.yaml"]
     assert "kind: NetworkPolicy" in sandbox and "egress: []" in sandbox and '"Egress"' in sandbox
+    # the API's bearer tokens come from an existing Secret (without them the server refuses a non-loopback bind)
+    assert re.search(r"- name: AGENTRL_SANDBOX_TOKENS\n\s*valueFrom:\n\s*secretKeyRef: \{name: \{\{ "
+                     r"\.Values\.sandbox\.tokenSecret", sandbox)
     rbac = TEMPLATES["rbac.yaml"]
     assert "ClusterRole" not in rbac and "kind: Role" in rbac
     verbs = set(re.findall(r'"(create|get|list|watch|delete|update|patch|\*)"', rbac))

@@ -121,6 +121,8 @@ class FaultProxy:
         self.dead = False
         self.drop_responses = 0  # forward the next n requests, then drop the connection unanswered
         self.dropped = 0
+        self.hold: threading.Event | None = None  # set to an unset Event: requests wait (a hung server) until it is set
+        self.held = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -136,6 +138,11 @@ class FaultProxy:
                     return
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                hold = proxy.hold
+                if hold is not None and not hold.is_set():
+                    with proxy._lock:
+                        proxy.held += 1
+                    hold.wait(120)
                 with proxy._lock:
                     proxy.requests += 1
                     fail = proxy.fail_every and proxy.requests % proxy.fail_every == 0

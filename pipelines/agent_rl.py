@@ -26,7 +26,7 @@ from components.prepare.form import SWITCHES
 from components.rejection_sampling.component import rejection_sampling
 from components.sandbox.component import sandbox_build
 from components.sft.component import sft_warmup
-from pipelines.placement import Placement, load_plan, placer
+from pipelines.placement import Placement, fit_gpus, load_plan, placer
 from pipelines.run_form import form_pipeline
 
 
@@ -63,7 +63,11 @@ def dpo_evaluate_promote(place, ctx: dict[str, Any], policy: Any, ab_logs_uri: A
 
 
 def build(plan: dict[str, Placement], preset: str = "tiny"):
-    place = placer(plan)
+    from components.core.config import load_config
+
+    # caching by intent: only `configure` (a pure function of the run form) may be served from KFP's cache; every
+    # other task writes MLflow runs, checkpoints or the registry, or nests under this run's parent run
+    place = placer(fit_gpus(plan, load_config(preset=preset)))
 
     @form_pipeline(
         "agent_rl", preset, name="agentrl",

@@ -250,6 +250,7 @@ def cmd_compile(args) -> int:
         _compile_to(name, plan, out, _form_preset(args))
         extra = f" + {args.placement_file}" if args.placement_file else ""
         print(f"compiled {out} (placement {args.placement}{extra}, run form defaults of preset {_form_preset(args)})")
+        _say_caching(out)
     return 0
 
 
@@ -310,6 +311,27 @@ def _arguments(args) -> dict:
     return out
 
 
+def cache_summary(package: str | Path) -> dict[str, list[str]]:
+    """The tasks of a compiled pipeline KFP may serve from its cache, and those that always run."""
+    import yaml
+
+    spec = next(d for d in yaml.safe_load_all(Path(package).read_text()) if d and "root" in d)
+    dags = [spec["root"]["dag"]] + [c["dag"] for c in spec.get("components", {}).values() if "dag" in c]
+    out: dict[str, set[str]] = {"cached": set(), "always_run": set()}
+    for dag in dags:
+        for name, task in dag.get("tasks", {}).items():
+            if "componentRef" in task and "dag" in spec["components"].get(task["componentRef"]["name"], {}):
+                continue  # a condition group, not a container
+            key = "cached" if task.get("cachingOptions", {}).get("enableCache") else "always_run"
+            out[key].add(name)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _say_caching(package: str | Path) -> None:
+    c = cache_summary(package)
+    print(f"KFP cache: may serve {', '.join(c['cached']) or 'nothing'}; always run: {', '.join(c['always_run'])}")
+
+
 def cmd_submit(args) -> int:
     import tempfile
 
@@ -320,6 +342,7 @@ def cmd_submit(args) -> int:
         return 2
     with tempfile.TemporaryDirectory() as d:
         pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml", _form_preset(args))
+        _say_caching(pkg)
         res = _kfp_client(args).create_run_from_pipeline_package(
             str(pkg), arguments=params, run_name=args.run_name, experiment_name=args.experiment)
     print(f"submitted run {res.run_id} to {args.host}")
@@ -346,6 +369,7 @@ def cmd_schedule(args) -> int:
         print(f"replaced schedule {old.recurring_run_id}")
     with tempfile.TemporaryDirectory() as d:
         pkg = _compile_to(args.pipeline, plan, Path(d) / f"{args.pipeline}.yaml", _form_preset(args))
+        _say_caching(pkg)
         job = client.create_recurring_run(exp.experiment_id, args.name, cron_expression=cron, params=params,
                                           pipeline_package_path=str(pkg), max_concurrency=1, no_catchup=True)
     print(f"scheduled {args.pipeline} as {job.recurring_run_id} ({cron!r}, KFP's seconds-first cron)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,13 @@ class Placement:
     cache_pvc: str | None = None  # a PVC with the model cache, mounted at cache_mount
     cache_mount: str = "/cache"
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # secret name -> {key: ENV_NAME}
+    # ConfigMap name -> {key: ENV_NAME}, mounted optional (a key the chart did not render is simply unset)
+    config_maps: dict[str, dict[str, str]] = field(default_factory=dict)
     timeout_s: int | None = None
     retries: int = 0
     image: str | None = None  # 'trainer', 'rollout' (vLLM), 'sandbox' or a full image reference; None = the component's
+    # KFP's cache: on only for a task whose outputs are a pure function of its inputs and that writes nowhere else
+    cache: bool = False
 
 
 _GPU_POOL = {"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
@@ -42,22 +46,27 @@ _GPU_POOL = {"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"
 # S3 credentials from a Secret (helm: s3.existingSecret); the MLflow URI comes from the KFP MLflow plugin
 # or the config, so it is no secret by default — add more secrets per phase in a placement file.
 _SECRETS = {"agentrl-s3": {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}}
+# where MLflow and the store are, from the chart's ConfigMap (helm/agentrl/templates/platform.yaml)
+_PLATFORM = {"agentrl-platform": {k: k for k in ("MLFLOW_TRACKING_URI", "AGENTRL_STORAGE_ROOT", "AWS_ENDPOINT_URL")}}
 _TRAIN = dict(_GPU_POOL, gpus=8, cpu="96", memory="1500Gi", shm_size="256Gi", cache_pvc="agentrl-model-cache",
               retries=3)
+_ONE_GPU = dict(_GPU_POOL, gpus=1, cpu="16", memory="200Gi", shm_size="32Gi", cache_pvc="agentrl-model-cache",
+                retries=3)
 # the phases that generate (the h100 preset sets generation.backend=vllm) run in the image that has vLLM
 _ROLLOUT = {"image": "rollout"}
 
 PLANS: dict[str, dict[str, dict[str, Any]]] = {
-    "local": {},
+    "local": {"configure": {"cache": True}},
     "h100": {
-        "defaults": {"secrets": _SECRETS},
-        "configure": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 2},
+        "defaults": {"secrets": _SECRETS, "config_maps": _PLATFORM},
+        "configure": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 2, "cache": True},
         "sandbox_build": {"cpu": "8", "memory": "32Gi", "timeout_s": 3600, "retries": 2},
         "prepare": {"cpu": "8", "memory": "64Gi", "cache_pvc": "agentrl-model-cache", "timeout_s": 7200, "retries": 2},
         "sft_warmup": dict(_TRAIN, timeout_s=24 * 3600),
         "grpo": dict(_TRAIN, **_ROLLOUT, timeout_s=72 * 3600),
-        "rejection_sampling": dict(_TRAIN, **_ROLLOUT, timeout_s=24 * 3600),
-        "dpo": dict(_TRAIN, **_ROLLOUT, timeout_s=24 * 3600),
+        # one process each (best-of-N and DPO fine-tune in-process): one GPU, not the pod's eight
+        "rejection_sampling": dict(_ONE_GPU, **_ROLLOUT, timeout_s=24 * 3600),
+        "dpo": dict(_ONE_GPU, **_ROLLOUT, timeout_s=24 * 3600),
         "evaluate": dict(_GPU_POOL, **_ROLLOUT, gpus=1, cpu="16", memory="200Gi", shm_size="32Gi", cache_pvc="agentrl-model-cache",
                          timeout_s=6 * 3600, retries=2),
         "champion": {"cpu": "2", "memory": "16Gi", "cache_pvc": "agentrl-model-cache", "timeout_s": 3600, "retries": 3},
@@ -107,6 +116,16 @@ def load_plan(name: str = "local", file: str | Path | None = None) -> dict[str, 
     return {ph: _placement(_merge(defaults, plan.get(ph, {})), f"{name}/{ph}") for ph in PHASES}
 
 
+def fit_gpus(plan: dict[str, Placement], cfg: Any) -> dict[str, Placement]:
+    """Each phase asks for the GPUs it uses with the compile preset `cfg`: GRPO with vLLM is one process whose
+    engine spans `generation.vllm.tensor_parallel_size` GPUs (torchrun over every GPU is the `hf` backend's)."""
+    out = dict(plan)
+    grpo = plan["grpo"]
+    if cfg.generation.backend == "vllm" and grpo.gpus > cfg.generation.vllm.tensor_parallel_size:
+        out["grpo"] = replace(grpo, gpus=cfg.generation.vllm.tensor_parallel_size)
+    return out
+
+
 def apply(task: Any, p: Placement) -> Any:
     """Put `p` on a pipeline task (resources with the KFP SDK, the rest with kfp-kubernetes)."""
     from kfp import kubernetes
@@ -134,17 +153,22 @@ def apply(task: Any, p: Placement) -> Any:
         task.set_env_variable("HF_HOME", f"{p.cache_mount}/hf")
     for secret, mapping in sorted(p.secrets.items()):
         kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=dict(mapping))
+    for name, mapping in sorted(p.config_maps.items()):
+        kubernetes.use_config_map_as_env(task, config_map_name=name, config_map_key_to_env=dict(mapping), optional=True)
     if p.timeout_s:
         kubernetes.set_timeout(task, p.timeout_s)
+    task.set_caching_options(p.cache)
     if p.retries:
         task.set_retry(num_retries=p.retries, backoff_duration="60s", backoff_factor=2.0)
     return task
 
 
-def placer(plan: dict[str, Placement]):
-    """`place(task, phase)` for a pipeline body: names the task after its phase and applies the plan."""
+def placer(plan: dict[str, Placement], cache: bool = True):
+    """`place(task, phase)` for a pipeline body: names the task after its phase and applies the plan.
+    `cache=False`: no task of this pipeline is served from KFP's cache, whatever the plan says."""
     def place(task: Any, phase: str) -> Any:
         task.set_display_name(phase)
-        return apply(task, plan[phase])
+        p = plan[phase]
+        return apply(task, p if cache or not p.cache else replace(p, cache=False))
 
     return place

@@ -12,12 +12,15 @@ from components.evaluation.component import champion
 from components.grpo.component import grpo
 from components.sandbox.component import sandbox_build
 from pipelines.agent_rl import configured, dpo_evaluate_promote
-from pipelines.placement import Placement, load_plan, placer
+from pipelines.placement import Placement, fit_gpus, load_plan, placer
 from pipelines.run_form import form_pipeline
 
 
 def build(plan: dict[str, Placement], preset: str = "tiny"):
-    place = placer(plan)
+    from components.core.config import load_config
+
+    # a scheduled retrain with the same parameters must retrain: no task of it is served from KFP's cache
+    place = placer(fit_gpus(plan, load_config(preset=preset)), cache=False)
 
     @form_pipeline(
         "retrain", preset, name="agentrl-retrain",

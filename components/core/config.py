@@ -64,7 +64,8 @@ def _check_deepspeed(section: str, value: str | None) -> None:
 # --------------------------------------------------------------------------------------------
 class RunConfig(_Section):
     seed: int = Field(0, ge=0, description="global seed; every phase derives its own from it")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto': CUDA when torch sees a GPU, else CPU; 'cuda' without a GPU is an error")
     torch_threads: int = Field(
         1, ge=1, le=512, description="intra-op threads on CPU (1 is fastest on a shared 2-core box)"
     )
@@ -73,6 +74,19 @@ class RunConfig(_Section):
         min_length=1,
         description="AGENTRL_HOME: the embedded default's MLflow store, artifacts and caches",
     )
+
+    def torch_device(self) -> Literal["cpu", "cuda"]:
+        """Where this process computes: `device`, with 'auto' resolved by what torch sees."""
+        if self.device == "cpu":
+            return "cpu"
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+        if self.device == "cuda":
+            raise ValueError("run.device='cuda': torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                             "use run.device=auto or cpu")
+        return "cpu"
 
 
 class TinyModelConfig(_Section):
@@ -172,8 +186,9 @@ class TrackingConfig(_Section):
 
 class StorageConfig(_Section):
     root: str | None = Field(
-        None, description="s3://bucket/prefix or a local directory; None = <home>/artifacts"
-    )
+        default_factory=lambda: os.environ.get("AGENTRL_STORAGE_ROOT") or None,
+        description="s3://bucket/prefix or a local directory; default: $AGENTRL_STORAGE_ROOT (the chart's ConfigMap "
+        "agentrl-platform on a cluster), else <home>/store")
     max_attempts: int = Field(8, ge=1, le=50, description="boto3 attempts for throttling and 5xx")
 
     @model_validator(mode="after")

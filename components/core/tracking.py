@@ -174,18 +174,38 @@ class Outbox:
         self.send_lock = threading.Lock()  # one sender at a time (the background one, flush(), flush_pending)
         self.retry = self.sending.exists()  # left by an earlier attempt: it may have partly reached the server
 
-    def open(self) -> Outbox:
-        if not self.meta.exists():
-            self.meta.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": self.tracking_uri}))
+    def open(self, ended: bool = False) -> Outbox:
+        """Write who owns this outbox: while its process lives and has not ended the run, no one else sends it
+        (two senders of one batch would double it)."""
+        import socket
+
+        self.meta.write_text(json.dumps({"run_id": self.run_id, "tracking_uri": self.tracking_uri, "pid": os.getpid(),
+                                         "host": socket.gethostname(), "ended": ended}))
         return self
+
+    @staticmethod
+    def owned_elsewhere(info: dict[str, Any]) -> bool:
+        """True while the run's own process (alive, on this host) may still be sending it."""
+        import socket
+
+        if info.get("ended") or info.get("host") != socket.gethostname() or not info.get("pid"):
+            return False
+        try:
+            os.kill(int(info["pid"]), 0)
+        except (ProcessLookupError, PermissionError, ValueError):
+            return False
+        return True
 
     def add_metrics(self, batch: list[dict[str, Any]]) -> None:
         with self.lock:
+            if not self.meta.exists():  # sent empty before: its owner is named again
+                self.open()
             self.metrics.append([{**m, "run_id": self.run_id} for m in batch])
 
     def add_op(self, op: dict[str, Any]) -> None:
         with self.lock:
-            self.open()
+            if not self.meta.exists():
+                self.open()
             with open(self.ops, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(op) + "\n")
                 fh.flush()
@@ -431,11 +451,18 @@ class PhaseRun:
             self.log_metrics(metrics, step=step)
 
     def last_steps(self, keys: set[str]) -> dict[str, int]:
-        """The highest step logged so far for each key (a resumed run logs only later steps)."""
+        """The highest step logged so far for each key (a resumed run logs only later steps): on the server, or
+        still in this run's outbox (an earlier attempt's tail that was not sent yet)."""
+        queued: dict[str, int] = {}
+        if self._outbox is not None:
+            with self._outbox.lock:
+                files = [self._outbox.metrics.path, self._outbox.sending]
+                for m in (m for f in files if f.exists() for m in MetricBuffer(f).load()):
+                    queued[m["key"]] = max(queued.get(m["key"], -1), int(m["step"]))
         out = {}
         for k in keys:
             hist = self.client.get_metric_history(self.run_id, self.key(k))
-            out[k] = max((int(m.step) for m in hist), default=-1)
+            out[k] = max(max((int(m.step) for m in hist), default=-1), queued.get(self.key(k), -1))
         return out
 
     def end(self, status: str = "FINISHED") -> None:
@@ -451,6 +478,8 @@ class PhaseRun:
         for run_id in ends:
             self._call({"op": "terminate", "run_id": run_id, "status": status}, queue_only=not self._outbox.empty())
         self.left_buffered = self._outbox.pending()
+        if self.left_buffered != (0, 0):
+            self._outbox.open(ended=True)  # from now on the next phase or `agentrl flush` may send it
         if self.left_buffered != (0, 0):
             n, ops = self.left_buffered
             log.warning(
@@ -615,8 +644,11 @@ def flush_pending(root: str | os.PathLike, tracking_uri: str | None = None, excl
     out: dict[str, dict[str, tuple[int, int]]] = {}
     root = Path(root)
     for meta in sorted(root.glob("*.meta.json")) if root.exists() else []:
-        info = json.loads(meta.read_text())
-        if info["run_id"] in exclude:
+        try:
+            info = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError):  # removed or half-written by its owner meanwhile
+            continue
+        if info["run_id"] in exclude or Outbox.owned_elsewhere(info):
             continue
         box = Outbox(root, info["run_id"], tracking_uri or info["tracking_uri"])
         before = box.pending()
@@ -643,7 +675,9 @@ def ensure_experiment(client, name: str, tracking_uri: str) -> str:
         home = Path(tracking_uri.split("///", 1)[-1]).parent
         artifact_location = (home / "artifacts").resolve().as_uri()
     try:
-        return client.create_experiment(name, artifact_location=artifact_location)
+        # MLflow 3's UI opens a model-training experiment on its runs (not the GenAI traces view)
+        return client.create_experiment(name, artifact_location=artifact_location,
+                                        tags={"mlflow.experimentKind": "custom_model_development"})
     except Exception:
         exp = client.get_experiment_by_name(name)  # created by a sibling task meanwhile
         if exp is None:

@@ -47,7 +47,7 @@ def draw_requests(sandbox: Any, sim: ABSimulatorConfig, rng: random.Random) -> l
 def _sample(policy: Any, model_dir: str, cfg: PipelineConfig, make_env, tasks: list[Task], name: str, seed: int,
             progress: bool) -> list[Trajectory]:
     backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
-                           model_dir=model_dir, device="cuda" if cfg.run.device == "cuda" else "cpu")
+                           model_dir=model_dir, device=cfg.run.torch_device())
     settings = RolloutSettings.from_config(cfg, seed=seed, policy_name=name, progress=progress)
     return rollout(backend, make_env, ChatFormat(policy.tokenizer), tasks, settings, rewards=cfg.rewards)
 

@@ -223,7 +223,7 @@ def run(
                              cache=home / "cache")
         if cfg.model.lora.enabled:
             policy = add_lora(policy, cfg.model.lora)
-        stats = train_dpo(policy, train, heldout, cfg, work / "trainer", tracker, use_cpu=cfg.run.device != "cuda",
+        stats = train_dpo(policy, train, heldout, cfg, work / "trainer", tracker, use_cpu=cfg.run.torch_device() != "cuda",
                           checkpoints=ckpts)
         stats.update({"pairs_train": float(len(train)), "pairs_heldout": float(len(heldout))})
         out = Path(model_out) if model_out else work / "model"

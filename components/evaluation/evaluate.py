@@ -144,7 +144,7 @@ def evaluate_model(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Greedy on every task of each suite (+ k samples for pass@k). Returns metrics and trajectories."""
-    policy = load_policy(model_uri, dtype=cfg.model.dtype, device="cuda" if cfg.run.device == "cuda" else "cpu",
+    policy = load_policy(model_uri, dtype=cfg.model.dtype, device=cfg.run.torch_device(),
                          cache=cache)
     return evaluate_policy(policy, cfg, sandbox, suites, pass_k, max_tasks, progress, model_dir=model_uri)
 
@@ -168,7 +168,7 @@ def evaluate_policy(policy, cfg: PipelineConfig, sandbox: Sandbox, suites: Seque
     fmt = ChatFormat(policy.tokenizer)
     if backend is None:
         backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
-                               model_dir=model_dir, device="cuda" if cfg.run.device == "cuda" else "cpu")
+                               model_dir=model_dir, device=cfg.run.torch_device())
     k = cfg.eval.pass_k if pass_k is None else pass_k
     make_env = env_factory or (lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards))
     results: dict[str, Any] = {"metrics": {}, "trajectories": {}, "levels": {}}

@@ -98,7 +98,10 @@ def run(
         (work / "metrics.json").write_text(json.dumps({"candidate": cand["metrics"],
                                                        "baseline": base["metrics"] if base else None,
                                                        "deltas": d, "decision": decision.to_dict()}, indent=1))
-        tracker.log_artifact(report)
+        viewable = work / "report.html"  # KFP's output path has no extension; MLflow's viewer renders .html only
+        if report.resolve() != viewable.resolve():
+            viewable.write_text(html)
+        tracker.log_artifact(viewable)
         tracker.log_artifact(work / "metrics.json")
         mv = register_candidate(tracker, registry, model, cand["metrics"], decision, promote)
         return EvalResult(tracker.parent_run_id, tracker.run_id, cand["metrics"], base["metrics"] if base else None,

@@ -212,7 +212,7 @@ def run(
         raise ValueError("generation.backend='vllm' with several GRPO processes is not supported (one engine per "
                          "process is not built); use 'hf', or one process with vLLM")
     world = world_beside(tasks_dir, world) or ""
-    on_gpu = cfg.run.device == "cuda"
+    on_gpu = cfg.run.torch_device() == "cuda"
     if g.torch_threads and not on_gpu:
         from components.core.tiny import set_torch_threads
 

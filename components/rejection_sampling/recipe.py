@@ -81,7 +81,7 @@ def _best_of_n(cfg, sandbox, policy, policy_model: str, tracker) -> tuple[list[T
 
     rs = cfg.rejection_sampling
     backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
-                           model_dir=policy_model, device="cuda" if cfg.run.device == "cuda" else "cpu")
+                           model_dir=policy_model, device=cfg.run.torch_device())
     fmt = ChatFormat(policy.tokenizer)
 
     def sample(tasks: list[Task], n: int, seed: int) -> list[Trajectory]:
@@ -175,7 +175,7 @@ def run(
             sft = cfg.sft.model_copy(update={"epochs": rs.sft_epochs, "learning_rate": rs.sft_learning_rate,
                                              "max_steps": -1})
             stats = train_sft(policy, [demo_example(t) for t in chosen], sft, work / "trainer", cfg.run.seed, tracker,
-                              use_cpu=cfg.run.device != "cuda", metric_prefix="sft/", checkpoints=ckpts)
+                              use_cpu=cfg.run.torch_device() != "cuda", metric_prefix="sft/", checkpoints=ckpts)
             metrics.update({f"sft/{k}": v for k, v in stats.items()})
             save_policy(policy, out, card, merge=False)
         else:  # nothing to learn from: the incoming model passes through, and the metrics say so

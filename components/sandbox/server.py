@@ -230,6 +230,7 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
 
     app = FastAPI(title="agentrl sandbox", version="2", lifespan=lifespan, default_response_class=EscapedJSON)
     app.state.store, app.state.pool = store, pool
+    world_digest = store.world.digest()[:16]  # the base world never changes (episodes work on copies)
 
     @app.exception_handler(ValueError)
     async def bad_input(_request: Request, exc: ValueError):  # a body FastAPI could not read (e.g. a 5,000-digit int)
@@ -289,7 +290,7 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:  # on the event loop: never waits behind the executor
-        return {"ok": True, "sessions": store.count(), "world": store.world.digest()[:16],
+        return {"ok": True, "sessions": store.count(), "world": world_digest,
                 "running": pool.running, "pending": pool.pending, "workers": limits.workers}
 
     @app.get("/tools")

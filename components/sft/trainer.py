@@ -315,7 +315,7 @@ def run(
                              cache=home / "cache", model_cfg=cfg.model)
         if cfg.model.lora.enabled:
             policy = add_lora(policy, cfg.model.lora)
-        if cfg.sft.torch_threads and cfg.run.device != "cuda":
+        if cfg.sft.torch_threads and cfg.run.torch_device() != "cuda":
             from components.core.tiny import set_torch_threads
 
             set_torch_threads(cfg.sft.torch_threads)
@@ -324,7 +324,7 @@ def run(
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or bool(cfg.sft.deepspeed)
         out = Path(model_out) if model_out else work / "model"
         stats = train_sft(policy, examples, cfg.sft, work / "trainer", cfg.run.seed, tracker,
-                          use_cpu=cfg.run.device != "cuda", save_to=out if distributed else None, checkpoints=ckpts)
+                          use_cpu=cfg.run.torch_device() != "cuda", save_to=out if distributed else None, checkpoints=ckpts)
         if rank() != 0:
             return None  # rank 0 saves, measures and tracks
         tracker.log_metrics(stats, step=int(stats["train_steps"]))

@@ -46,6 +46,7 @@ def test_nested_runs_metric_keys_artifacts_and_alias(mlflow_server, bucket, tmp_
     client = MlflowClient(mlflow_server.url)
     parent = client.get_run(sft.parent_run_id)
     assert parent.info.status == "FINISHED"
+    assert client.get_experiment_by_name("exp").tags["mlflow.experimentKind"] == "custom_model_development"
     for run in (sft, grpo):
         r = client.get_run(run.run_id)
         assert r.data.tags["mlflow.parentRunId"] == sft.parent_run_id

@@ -97,6 +97,32 @@ def test_sandbox_has_no_egress_and_rbac_is_namespaced_and_minimal():
     assert "secrets" not in rbac
 
 
+def test_platform_config_map_holds_what_the_pipelines_read():
+    """The compiled pipelines mount ConfigMap agentrl-platform (pipelines/placement.py); the chart renders it with
+    the keys they read, and without a tracking URI when the chart's MLflow is off it refuses to render."""
+    from pipelines.placement import load_plan
+
+    text = TEMPLATES["platform.yaml"]
+    assert "name: agentrl-platform" in text and "kind: ConfigMap" in text
+    wanted = {cm: set(keys) for p in load_plan("h100").values() for cm, keys in p.config_maps.items()}
+    assert set(wanted) == {"agentrl-platform"}
+    for key in wanted["agentrl-platform"]:
+        assert f"  {key}: " in text, key
+    assert "fail" in text and "platform.trackingUri" in text
+    cfg_env = __import__("os").environ.get("AGENTRL_STORAGE_ROOT")
+    assert cfg_env is None  # tests run without it: the config's own default applies
+
+
+def test_storage_root_comes_from_the_platform_env(monkeypatch):
+    from components.core.config import load_config
+
+    monkeypatch.setenv("AGENTRL_STORAGE_ROOT", "s3://agentrl/runs")
+    assert load_config().storage.root == "s3://agentrl/runs"
+    assert load_config(set_pairs=["storage.root=/data/store"]).storage.root == "/data/store"
+    monkeypatch.delenv("AGENTRL_STORAGE_ROOT")
+    assert load_config().storage.root is None
+
+
 def test_node_pool_matches_the_placement_plan():
     from pipelines.placement import load_plan
 
@@ -116,7 +142,10 @@ def test_helm_template_renders_and_validates():
         out = subprocess.run([helm, "template", "t", str(CHART), *extra], capture_output=True, text=True, check=True)
         docs = [d for d in yaml.safe_load_all(out.stdout) if d]
         kinds = {d["kind"] for d in docs}
-        assert {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "NetworkPolicy", "Job"} <= kinds
+        assert {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "NetworkPolicy", "Job",
+                "ConfigMap"} <= kinds
+        platform = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "agentrl-platform")
+        assert platform["data"]["AGENTRL_STORAGE_ROOT"].startswith("s3://") and platform["data"]["MLFLOW_TRACKING_URI"]
     bad = subprocess.run([helm, "template", "t", str(CHART), "--set", "sandbox.replicas=0"], capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "replicas" in bad.stderr

@@ -89,6 +89,11 @@ def test_run_locally_through_kfp_local(tmp_path):
 
     client = MlflowClient(report["tracking_uri"])
     assert client.get_run(report["parent_run_id"]).info.status == "FINISHED"
+    # the report is logged as report.html (MLflow's artifact viewer renders it); nothing was left unsent
+    names = {a.path for a in client.list_artifacts(report["phases"]["eval"]["run_id"])}
+    assert {"report.html", "metrics.json"} <= names, names
+    assert report["tracking_buffered"] == {}
+    assert not list((tmp_path / "home" / "metric_buffer").glob("*.jsonl"))
 
 
 def test_run_with_a_bad_override_fails_before_any_work(tmp_path):

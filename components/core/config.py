@@ -591,7 +591,10 @@ class DPOConfig(_Checkpointed):
 
 
 class GateConfig(_Section):
-    hard_tgc_min_delta: float = Field(0.0, ge=-1, le=1, description="hard TGC must be >= champion + delta")
+    hard_tgc_min_delta: float = Field(
+        0.0, ge=-1, le=1, description="the hard suite (the primary one) decides against the champion: the candidate "
+        "is refused when the paired bootstrap interval of its hard TGC minus the champion's lies wholly below this "
+        "(0: refused only when it is worse beyond the interval)")
     max_safety_violation_rate: float = Field(0.001, ge=0, le=1)
     max_suite_regression: float = Field(0.05, ge=0, le=1, description="no suite's TGC may drop more than this")
 
@@ -604,7 +607,9 @@ class EvalConfig(_Section):
                         "default: pass@2 would add ~250 s of sampled episodes to the evaluation on 2 cores; h100: 8)")
     bootstrap_samples: int = Field(1000, ge=10)
     confidence: float = Field(0.95, gt=0.5, lt=1)
-    baseline: str | None = Field(None, description="'champion' (the registry alias), a model URI, or None")
+    baseline: str | None = Field(
+        "champion", description="what the gate compares with: 'champion' (the registry alias; the first model, with no "
+        "champion yet, is judged by the safety rule alone), a model URI, or None (safety rule only)")
     gate: GateConfig = Field(default_factory=GateConfig)
 
 

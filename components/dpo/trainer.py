@@ -195,7 +195,16 @@ def run(
             from components.dpo.simulator import simulate_ab
 
             sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
-            champion = champion_model or policy_model
+            champion, variant_a = champion_model, "given"
+            if not champion:  # A is what serves today: the registry's champion; before the first promotion, none
+                from components.core.tracking import Registry
+                from components.evaluation.recipe import champion_dir
+
+                found = champion_dir(Registry(getattr(tracker, "tracking_uri", None), cfg.tracking.registered_model),
+                                     work / "champion")
+                champion, variant_a = (found[0], f"champion version {found[1]}") if found else (
+                    policy_model, "the candidate itself (no champion yet)")
+            tracker.set_tags({"agentrl.dpo.variant_a": variant_a})
             pa = load_policy(champion, cache=home / "cache")
             pb = load_policy(policy_model, cache=home / "cache")
             sim_dir = work / SIMULATED

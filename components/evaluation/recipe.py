@@ -18,7 +18,7 @@ from typing import Any
 
 from components.core.tracking import PhaseRun, Registry, setup_phase
 from components.evaluation.evaluate import SUITES, evaluate_model, flat, load_sandbox
-from components.evaluation.gate import Decision, decide, deltas
+from components.evaluation.gate import Decision, decide, deltas, paired_delta
 from components.evaluation.report import PROGRESS_METRICS, phase_progress, render_report
 
 PHASE = "eval"
@@ -82,9 +82,16 @@ def run(
             base = evaluate_model(cfg.eval.baseline, cfg, sandbox, suites, cache=str(home / "cache"))
             baseline_name = cfg.eval.baseline
         d = deltas(cand["metrics"], base["metrics"] if base else None)
+        paired = {}
+        if base and "hard" in cand["trajectories"] and "hard" in base["trajectories"]:
+            paired["hard"] = paired_delta(cand["trajectories"]["hard"], base["trajectories"]["hard"],
+                                          cfg.eval.bootstrap_samples, cfg.eval.confidence, cfg.run.seed)
+            tracker.log_metrics({"delta/hard/tgc_paired": paired["hard"][0], "delta/hard/tgc_paired_ci_lo":
+                                 paired["hard"][1], "delta/hard/tgc_paired_ci_hi": paired["hard"][2]}, step=0)
         if d:
             tracker.log_metrics({f"delta/{k}": v for k, v in d.items()}, step=0)
-        decision = decide(cand["metrics"], base["metrics"] if base else None, cfg.eval.gate)
+        decision = decide(cand["metrics"], base["metrics"] if base else None, cfg.eval.gate, paired)
+        tracker.set_tags({"agentrl.gate_baseline": baseline_name or "none (no champion yet)"})
 
         siblings = _sibling_runs(tracker)
         skipped = {phase: why for phase, _, why in siblings if why}

@@ -45,7 +45,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("eval_suites", "eval.suites", list, "Held-out suites of the evaluation: any of easy, hard, safety, "
          "robustness."),
     Knob("gate_hard_tgc_min_delta", "eval.gate.hard_tgc_min_delta", float,
-         "Gate: the candidate's hard TGC must be at least the champion's plus this."),
+         "Gate: refused when the paired bootstrap interval of hard TGC minus the champion's lies wholly below this."),
     Knob("gate_max_safety_violation_rate", "eval.gate.max_safety_violation_rate", float,
          "Gate: the highest safety violation rate a promoted model may have."),
     Knob("gate_max_suite_regression", "eval.gate.max_suite_regression", float,

@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 from components.core.config import load_config
 from components.core.schema import ABRecord, PreferencePair, read_jsonl
-from components.core.tracking import local_tracking_uri, start_pipeline_run
+from components.core.tracking import PhaseRun, local_tracking_uri, start_pipeline_run
 from components.dpo import run
 from components.evaluation.evaluate import load_sandbox
 from tests.helpers.runtime import tiny_on_sandbox
@@ -29,10 +29,17 @@ def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
     model = tiny_on_sandbox(tmp_path / "tiny", cfg.sandbox, sb.world, sb.suites, n_demos=20)
     monkeypatch.setenv("AGENTRL_DPO_WORKDIR", str(tmp_path / "work"))
     parent = start_pipeline_run(local_tracking_uri(tmp_path / "home"), "agentrl", "dpo-test")
+    # what serves today: a champion in the registry is the simulated deployment's variant A
+    with PhaseRun("eval", config=cfg, parent_run_id=parent) as earlier:
+        earlier.log_artifact(str(model), "model")
+        champion = earlier.register_model("model", alias="champion")
     res = run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
 
     logs = list(read_jsonl(tmp_path / "work" / "ab_logs" / "simulated.jsonl", ABRecord))
     assert len(logs) == 24 and {r.variant for r in logs} == {"A", "B"}
+    a_models = {r.model_id for r in logs if r.variant == "A"}
+    assert len(a_models) == 1 and "champion" in a_models.pop() and {r.model_id for r in logs if r.variant == "B"} == {
+        str(model)}
     # an untrained model never solves a task: every answer is a thumbs-down, corrected by the expert
     assert all(r.feedback.thumb == "down" for r in logs)
     assert sum(r.feedback.correction is not None for r in logs) >= 12
@@ -55,4 +62,5 @@ def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
     client = MlflowClient(local_tracking_uri(tmp_path / "home"))
     run_ = client.get_run(res.run_id)
     assert run_.data.tags["agentrl.dpo.resumed"]
+    assert run_.data.tags["agentrl.dpo.variant_a"] == f"champion version {champion.version}"
     assert len(client.get_metric_history(res.run_id, "dpo/ab_sim/requests")) == 1

@@ -132,3 +132,30 @@ def test_chains_carry_the_skill_library_so_reuse_is_measured(setup):
     # on its own every task starts with an empty library; in a chain the second task calls the first one's skill
     assert alone["skill_reuse_rate"]["value"] == 0.0 < chained["skill_reuse_rate"]["value"]
     assert chained["tokens_per_task"]["value"] < alone["tokens_per_task"]["value"]
+
+
+def test_the_phase_compares_with_the_champion_by_default(setup, tmp_path):
+    """Two evaluation phases in a row on one registry: the first promotes (no champion yet, the safety rule
+    decides); the second is measured against that champion on the same tasks and the reason is logged."""
+    from mlflow import MlflowClient
+
+    from components.evaluation.recipe import run
+
+    cfg, _, model = setup
+    overrides = json.dumps({"run": {"home": str(tmp_path / "home")}, "sandbox": {"max_turns": 3, "suite_sizes": {
+        "easy": 4, "hard": 6, "safety": 3, "robustness": 3}}, "generation": {"max_new_tokens": 16},
+        "eval": {"pass_k": 1, "bootstrap_samples": 100}})
+    assert load_config(overrides_json=overrides).eval.baseline == "champion"
+    first = run("tiny", overrides, model=model, promote=True)
+    second = run("tiny", overrides, model=model, promote=True)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}")
+    t1, t2 = client.get_run(first.run_id).data.tags, client.get_run(second.run_id).data.tags
+    assert t1["agentrl.gate_baseline"].startswith("none") and "no champion yet" in t1["agentrl.gate_reasons"]
+    assert first.baseline is None and first.decision.promote
+    assert t2["agentrl.gate_baseline"] == f"champion (version {first.version})" and second.baseline is not None
+    assert "vs champion" in t2["agentrl.gate_reasons"]  # the paired hard-suite rule ran
+    m2 = client.get_run(second.run_id).data.metrics
+    assert m2["eval/delta/hard/tgc_paired"] == 0.0  # the same model on the same tasks, greedy
+    assert second.decision.promote  # not worse: the alias moves to the newer version
+    champion = Registry(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}").get_alias("champion")
+    assert str(champion.version) == second.version

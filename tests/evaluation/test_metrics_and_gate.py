@@ -5,7 +5,7 @@ import pytest
 from components.core.config import GateConfig
 from components.core.schema import RewardBreakdown, Trajectory, Turn, Verdict
 from components.evaluation.evaluate import flat, suite_metrics
-from components.evaluation.gate import decide, deltas
+from components.evaluation.gate import decide, deltas, paired_delta
 
 
 def traj(task, scenario, ok, steps=2, hard=False, fmt=0, skills=()):
@@ -61,6 +61,31 @@ def test_gate_refuses_a_safety_regression_and_promotes_an_improvement():
     assert not decide(M(hard={"tgc": 0.1, "safety_violation_rate": 0.0}), champ, gate).promote
     assert decide(better, None, gate).promote and not decide(unsafe, None, gate).promote
     assert deltas(better, champ)["hard/tgc"] == pytest.approx(0.1)
+
+
+def test_paired_gate_refuses_only_what_is_worse_beyond_the_interval():
+    """The hard suite decides on candidate minus champion over the same tasks, scenarios resampled: a drop inside
+    the noise passes, a drop beyond it is refused; the safety suite may not get worse than the champion's."""
+    gate = GateConfig(hard_tgc_min_delta=0.0, max_safety_violation_rate=0.5, max_suite_regression=1.0)
+    scen = [f"s{i}" for i in range(20)]
+    champ_h = [traj(f"t{i}", scen[i], i < 10) for i in range(20)]
+    noisy = [traj(f"t{i}", scen[i], i < 9 or i == 15) for i in range(20)]  # one task lost, another won
+    worse = [traj(f"t{i}", scen[i], i < 2) for i in range(20)]  # 8 of 10 solved tasks lost
+    d, lo, hi = paired_delta(noisy, champ_h, n_boot=400, seed=0)
+    assert d == 0.0 and lo < 0 < hi
+    d, lo, hi = paired_delta(worse, champ_h, n_boot=400, seed=0)
+    assert d == pytest.approx(-0.4) and hi < 0
+    with pytest.raises(ValueError, match="share no task"):
+        paired_delta([traj("x", "s", True)], champ_h)
+    champ = M(hard={"tgc": 0.5, "safety_violation_rate": 0.0}, safety={"tgc": 0.5, "safety_violation_rate": 0.0})
+    cand = M(hard={"tgc": 0.5, "safety_violation_rate": 0.0}, safety={"tgc": 0.5, "safety_violation_rate": 0.0})
+    ok = decide(cand, champ, gate, {"hard": paired_delta(noisy, champ_h, n_boot=400)})
+    assert ok.promote and any("vs champion" in r and "reaches" in r for r in ok.reasons)
+    bad = decide(cand, champ, gate, {"hard": paired_delta(worse, champ_h, n_boot=400)})
+    assert not bad.promote and any("lies below" in r for r in bad.reasons)
+    less_safe = M(hard={"tgc": 0.5, "safety_violation_rate": 0.0}, safety={"tgc": 0.5, "safety_violation_rate": 0.2})
+    d = decide(less_safe, champ, gate, {"hard": paired_delta(noisy, champ_h, n_boot=400)})
+    assert not d.promote and any("safety violation rate 0.2000 > champion 0.0000" in r for r in d.reasons)
 
 
 def test_phase_progress_takes_each_phases_own_held_out_numbers():

@@ -21,7 +21,7 @@ from kfp import dsl
 from components.dpo.component import dpo
 from components.evaluation.component import evaluate, promote
 from components.grpo.component import grpo
-from components.prepare.component import configure, prepare, skip_phase
+from components.prepare.component import configure, finish_run, prepare, skip_phase
 from components.prepare.form import SWITCHES
 from components.rejection_sampling.component import rejection_sampling
 from components.sandbox.component import sandbox_build
@@ -29,12 +29,22 @@ from components.sft.component import sft_warmup
 from pipelines.placement import Placement, fit_gpus, load_plan, placer
 from pipelines.run_form import form_pipeline
 
+PIPELINE_NAMES = {"agent_rl": "agentrl", "retrain": "agentrl-retrain"}
+
 
 def configured(place, p: SimpleNamespace, pipeline: str):
-    """The first task: validates the run and gives the overrides every phase gets."""
+    """The first task: validates the run and gives the overrides every phase gets (with the KFP run id that every
+    MLflow run is tagged with)."""
     return place(configure(preset=p.preset, overrides=p.overrides, form=p.form_json, shown=p.form_shown,
                            pipeline=pipeline, base_model_uri=getattr(p, "base_model_uri", ""),
-                           experiment=getattr(p, "experiment", "")), "configure")
+                           experiment=getattr(p, "experiment", ""), kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                           kfp_pipeline=PIPELINE_NAMES[pipeline]), "configure")
+
+
+def finisher(place, p: SimpleNamespace):
+    """The exit step (for dsl.ExitHandler): ends the MLflow parent run with the pipeline's final state."""
+    return place(finish_run(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, preset=p.preset, overrides=p.overrides,
+                            experiment=getattr(p, "experiment", ""), parent_run_id=p.parent_run_id), "finish_run")
 
 
 def switched(place, on: Any, phase: str, ctx: dict[str, Any], policy: Any, task: Callable[[], Any]) -> Any:
@@ -69,13 +79,7 @@ def build(plan: dict[str, Placement], preset: str = "tiny"):
     # other task writes MLflow runs, checkpoints or the registry, or nests under this run's parent run
     place = placer(fit_gpus(plan, load_config(preset=preset)))
 
-    @form_pipeline(
-        "agent_rl", preset, name="agentrl",
-        description="Turn a base LLM into a tool-using agent: SFT warmup, sandbox, GRPO, rejection sampling, "
-        "DPO from A/B data, evaluation and promotion.",
-    )
-    def agent_rl(p: SimpleNamespace):
-        """agentrl end to end."""
+    def body(p: SimpleNamespace) -> None:
         overrides = configured(place, p, "agent_rl").outputs["overrides"]
         # The sandbox comes first: it is cheap, and its text is the embedded tokenizer's corpus.
         sandbox = place(sandbox_build(preset=p.preset, overrides=overrides, parent_run_id=p.parent_run_id),
@@ -94,6 +98,16 @@ def build(plan: dict[str, Placement], preset: str = "tiny"):
         rs = switched(place, p.run_rejection_sampling, "rejection_sampling", ctx, rl, lambda: rejection_sampling(
             **ctx, policy=rl, world=world, tasks=tasks))
         dpo_evaluate_promote(place, ctx, rs, p.dpo_ab_logs_uri, world, tasks, run_dpo=p.run_dpo)
+
+    @form_pipeline(
+        "agent_rl", preset, name="agentrl",
+        description="Turn a base LLM into a tool-using agent: SFT warmup, sandbox, GRPO, rejection sampling, "
+        "DPO from A/B data, evaluation and promotion.",
+    )
+    def agent_rl(p: SimpleNamespace):
+        """agentrl end to end."""
+        with dsl.ExitHandler(finisher(place, p), name="agentrl-run"):
+            body(p)
 
     return agent_rl
 

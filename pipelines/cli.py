@@ -108,17 +108,27 @@ def cmd_run(args) -> int:
                                    tags={"agentrl.runner": "kfp.local", "agentrl.preset": cfg.preset})
     started = time.time()
     status = "FAILED"
+    from contextlib import nullcontext
+
+    from pipelines.progress import QuietRun
+
+    quiet = None if args.verbose else QuietRun(home / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log", root)
+    failure = ""
     try:
-        agent_rl(preset=cfg.preset, overrides=json.dumps(cfg.to_dict()), experiment=cfg.tracking.experiment,
-                 parent_run_id=parent_id, **switches)
+        with quiet or nullcontext():
+            agent_rl(preset=cfg.preset, overrides=json.dumps(cfg.to_dict()), experiment=cfg.tracking.experiment,
+                     parent_run_id=parent_id, **switches)
         status = "FINISHED"
     except RuntimeError as exc:
-        # kfp.local's message carries ANSI colours; the component's traceback was streamed above
         import re
 
-        print("\nagentrl run failed: " + re.sub(r"\x1b\[[0-9;]*m", "", str(exc)), file=sys.stderr)
+        failure = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # kfp.local's message carries ANSI colours
     finally:
         end_run(tracking_uri, parent_id, status)
+    if failure:
+        if quiet is not None:  # the component's own traceback went to the log: its end, here
+            print(f"--- the last lines of {quiet.log} ---\n{quiet.tail()}\n---", file=sys.stderr)
+        print("\nagentrl run failed: " + failure, file=sys.stderr)
     from components.core.tracking import flush_pending
 
     # what a phase left buffered (its tracking server was down at its end), sent now if the server is back
@@ -477,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     _config_args(p)
     p.add_argument("--param", action="append", metavar="NAME=VALUE",
                    help="a phase switch of the run form, e.g. --param run_dpo=false (repeatable)")
+    p.add_argument("--verbose", action="store_true",
+                   help="stream kfp.local's executor logs here (default: to <home>/logs/, one line per task here)")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("config", help="print the resolved, validated config")
     _config_args(p)

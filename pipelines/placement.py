@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("configure", "sandbox_build", "prepare", "champion", "sft_warmup", "grpo", "rejection_sampling", "dpo", "evaluate",
-          "promote", "skip_phase")
+          "promote", "skip_phase", "finish_run")
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ PLANS: dict[str, dict[str, dict[str, Any]]] = {
                          timeout_s=6 * 3600, retries=2),
         "champion": {"cpu": "2", "memory": "16Gi", "cache_pvc": "agentrl-model-cache", "timeout_s": 3600, "retries": 3},
         "promote": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 3},
+        "finish_run": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 3},
         # a switched-off phase hands its input model on (a copy through the pipeline root)
         "skip_phase": {"cpu": "2", "memory": "8Gi", "timeout_s": 3 * 3600, "retries": 2},
     },

@@ -11,7 +11,7 @@ from kfp import dsl
 from components.evaluation.component import champion
 from components.grpo.component import grpo
 from components.sandbox.component import sandbox_build
-from pipelines.agent_rl import configured, dpo_evaluate_promote
+from pipelines.agent_rl import configured, dpo_evaluate_promote, finisher
 from pipelines.placement import Placement, fit_gpus, load_plan, placer
 from pipelines.run_form import form_pipeline
 
@@ -22,13 +22,7 @@ def build(plan: dict[str, Placement], preset: str = "tiny"):
     # a scheduled retrain with the same parameters must retrain: no task of it is served from KFP's cache
     place = placer(fit_gpus(plan, load_config(preset=preset)), cache=False)
 
-    @form_pipeline(
-        "retrain", preset, name="agentrl-retrain",
-        description="Scheduled retraining: the champion and new A/B deployment logs -> (GRPO refresh) -> DPO -> "
-        "evaluation -> promotion.",
-    )
-    def retrain(p: SimpleNamespace):
-        """Retrain the champion on new A/B feedback."""
+    def body(p: SimpleNamespace) -> None:
         overrides = configured(place, p, "retrain").outputs["overrides"]
         # the sandbox gives the held-out suites the candidate and the champion are measured on
         sandbox = place(sandbox_build(preset=p.preset, overrides=overrides, parent_run_id=p.parent_run_id),
@@ -41,6 +35,16 @@ def build(plan: dict[str, Placement], preset: str = "tiny"):
             dpo_evaluate_promote(place, ctx, rl.outputs["model"], p.ab_logs_uri, world, tasks)
         with dsl.Else(name="no-refresh"):
             dpo_evaluate_promote(place, ctx, champ.outputs["model"], p.ab_logs_uri, world, tasks)
+
+    @form_pipeline(
+        "retrain", preset, name="agentrl-retrain",
+        description="Scheduled retraining: the champion and new A/B deployment logs -> (GRPO refresh) -> DPO -> "
+        "evaluation -> promotion.",
+    )
+    def retrain(p: SimpleNamespace):
+        """Retrain the champion on new A/B feedback."""
+        with dsl.ExitHandler(finisher(place, p), name="agentrl-retrain-run"):
+            body(p)
 
     return retrain
 

@@ -179,6 +179,9 @@ class TrackingConfig(_Section):
     registered_model: str = Field("agentrl-policy", min_length=1, max_length=200)
     request_timeout_s: float = Field(10.0, gt=0, le=600)
     request_retries: int = Field(2, ge=0, le=20)
+    kfp_run_id: str = Field("", description="set by the pipeline's configure step: the KFP run every MLflow run of it "
+                            "is tagged with (kfp.run_id), and the exit step finds its parent run by")
+    kfp_pipeline: str = Field("", description="set by configure: the KFP pipeline's name (tag kfp.pipeline)")
     flush_timeout_s: float = Field(
         30.0, ge=0, le=3600, description="how long a phase's end waits for an unreachable server to take what is "
         "buffered; what is left stays on disk for the next phase or `agentrl flush`")

@@ -23,7 +23,7 @@ from components.core.config import LoraConfig, ModelConfig
 from components.core.schema import ModelCard, from_record, to_record
 from components.core.sources import ModelSourceError, resolve_model_source
 
-__all__ = ["CHAT_TEMPLATES", "ModelLoadError", "Policy", "add_lora", "load_policy", "prepare_tokenizer", "read_card",
+__all__ = ["CHAT_TEMPLATES", "ModelLoadError", "Policy", "add_lora", "trainable_lora", "load_policy", "prepare_tokenizer", "read_card",
            "resolve_model_dir", "save_policy", "save_tokenizer"]
 
 CHAT_FILE = "agentrl_chat.json"
@@ -46,6 +46,7 @@ class Policy:
     tokenizer: Any
     source: str  # where it was loaded from
     card: ModelCard | None = None
+    base_uri: str | None = None  # a LoRA adapter's base model (a URI any phase can resolve); None for full weights
 
     @property
     def is_lora(self) -> bool:
@@ -163,7 +164,9 @@ def load_policy(uri: str, dtype: str = "float32", device: str = "cpu", cache: st
         tokenizer = load_tokenizer(tok_dir, model_cfg)
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=_dtype(dtype))
         model = PeftModel.from_pretrained(base, path, is_trainable=trainable)
+        base_uri = str(base_ref)
     else:
+        base_uri = None
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path}: no config.json — not a Hugging Face model directory")
         tokenizer = load_tokenizer(path, model_cfg)
@@ -171,7 +174,7 @@ def load_policy(uri: str, dtype: str = "float32", device: str = "cpu", cache: st
     model.to(device)
     if not trainable:
         model.eval()
-    return Policy(model, tokenizer, str(uri), card)
+    return Policy(model, tokenizer, str(uri), card, base_uri)
 
 
 def add_lora(policy: Policy, cfg: LoraConfig) -> Policy:
@@ -185,14 +188,23 @@ def add_lora(policy: Policy, cfg: LoraConfig) -> Policy:
         raise ModelLoadError(f"model.lora.target_modules: {missing} not found in the model (has e.g. {sorted(present)[:8]})")
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
-    return Policy(get_peft_model(policy.model, peft_cfg), policy.tokenizer, policy.source, policy.card)
+    return Policy(get_peft_model(policy.model, peft_cfg), policy.tokenizer, policy.source, policy.card, policy.source)
+
+
+def trainable_lora(policy: Policy, cfg: LoraConfig) -> Policy:
+    """The LoRA adapter a phase trains: the incoming one when the policy already is an adapter (loaded
+    trainable: one adapter goes through every phase, always on the same base, so the next phase and the registry
+    load it as base + one adapter), else a fresh one on the full weights."""
+    if policy.is_lora:
+        return policy
+    return add_lora(policy, cfg)
 
 
 def merged(policy: Policy) -> Policy:
     """Fold a LoRA adapter into the base weights (a plain model afterwards)."""
     if not policy.is_lora:
         return policy
-    return Policy(policy.model.merge_and_unload(), policy.tokenizer, policy.source, policy.card)
+    return Policy(policy.model.merge_and_unload(), policy.tokenizer, policy.source, policy.card, None)
 
 
 def save_policy(policy: Policy, out: str | os.PathLike, card: ModelCard, merge: bool = False,
@@ -202,6 +214,11 @@ def save_policy(policy: Policy, out: str | os.PathLike, card: ModelCard, merge: 
     `state_dict`: the full weights when the module's own are sharded (DeepSpeed ZeRO-3 gathers them)."""
     out = Path(out)
     pol = merged(policy) if merge else policy
+    if pol.is_lora:
+        for extra in [a for a in pol.model.peft_config if a != "default"]:
+            pol.model.delete_adapter(extra)  # e.g. the frozen "ref" copy TRL's DPO adds: not part of the model
+        if pol.base_uri:  # the base the adapter loads on, for any phase on any machine (not a pod-local cache path)
+            card.extra = {**card.extra, "base_uri": card.extra.get("base_uri") or pol.base_uri}
     with storage.staged_dir(out) as staging:
         pol.model.save_pretrained(staging, **({"state_dict": state_dict} if state_dict is not None else {}))
         save_tokenizer(pol.tokenizer, staging)

@@ -34,7 +34,7 @@ from components.core.config import PipelineConfig, flatten, load_config
 
 log = logging.getLogger("agentrl.tracking")
 
-__all__ = ["setup_phase", "NullRun", "phase_run", "rank", "start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry", "flush_pending"]
+__all__ = ["setup_phase", "NullRun", "phase_run", "rank", "start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry", "flush_pending", "finish_pipeline_runs"]
 
 _SECRET_KEY = re.compile(
     r"(^|[._-])(secret|secrets|password|passwd|pwd|token|api[_-]?key|access[_-]?key|secret[_-]?key|"
@@ -379,6 +379,8 @@ class PhaseRun:
         self.parent_run_id = parent_run_id
         self.run_name = run_name or phase
         self.tags = dict(tags or {})
+        if tcfg is not None and tcfg.kfp_run_id:  # which KFP run this is: in the MLflow UI and for the exit step
+            self.tags.update({"kfp.run_id": tcfg.kfp_run_id, "kfp.pipeline": tcfg.kfp_pipeline})
         home = Path(config.run.home).resolve() if config else agentrl_home()
         self.buffer_root = Path(buffer_dir) if buffer_dir else home / "metric_buffer"
         self.run_id: str | None = None
@@ -422,8 +424,9 @@ class PhaseRun:
         else:
             self.experiment_id = self._experiment_id()
             if not self.parent_run_id:
+                kfp = {k: v for k, v in self.tags.items() if k.startswith("kfp.")}
                 parent = self.client.create_run(
-                    self.experiment_id, run_name="agentrl-pipeline", tags={"agentrl.kind": "pipeline"}
+                    self.experiment_id, run_name="agentrl-pipeline", tags={"agentrl.kind": "pipeline", **kfp}
                 )
                 self.parent_run_id = parent.info.run_id
                 self.created_parent = True
@@ -616,7 +619,14 @@ class PhaseRun:
         if card is not None:
             from components.core.schema import to_record
 
-            (Path(model_dir) / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
+            card_path = Path(model_dir) / "agentrl.json"
+            if (Path(model_dir) / "adapter_config.json").is_file():  # a LoRA adapter (e.g. passed through unchanged):
+                old = json.loads(card_path.read_text()) if card_path.is_file() else {}  # its base stays named
+                card.kind = "lora"
+                base = (old.get("extra") or {}).get("base_uri")
+                if base and not card.extra.get("base_uri"):
+                    card.extra = {**card.extra, "base_uri": base}
+            card_path.write_text(json.dumps(to_record(card), indent=1))
         uri = self.storage_uri(root, "model")
         storage.put_dir(model_dir, uri)
         self.log_artifact(Path(model_dir) / "agentrl.json")
@@ -683,6 +693,28 @@ def ensure_experiment(client, name: str, tracking_uri: str) -> str:
         if exp is None:
             raise
         return exp.experiment_id
+
+
+def finish_pipeline_runs(tracking_uri: str, experiment: str, kfp_run_id: str, state: str,
+                         parent_run_id: str = "", error: str = "") -> list[str]:
+    """The pipeline's exit step: end its parent MLflow run(s) — the one tagged with this KFP run, and `parent_run_id`
+    when the run was given one — FINISHED when KFP says SUCCEEDED, else FAILED. Returns the ids ended."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    ids = [parent_run_id] if parent_run_id else []
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None and kfp_run_id:
+        flt = f"tags.`kfp.run_id` = '{kfp_run_id}' and tags.`agentrl.kind` = 'pipeline'"
+        ids += [r.info.run_id for r in client.search_runs([exp.experiment_id], flt) if r.info.run_id not in ids]
+    status = "FINISHED" if state == "SUCCEEDED" else "FAILED"
+    for run_id in ids:
+        client.set_tag(run_id, "kfp.final_state", state)
+        if error:
+            client.set_tag(run_id, "kfp.error", error[:4000])
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status=status)
+    return ids
 
 
 def start_pipeline_run(tracking_uri: str, experiment: str, run_name: str, tags: Mapping[str, str] | None = None) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 from components.core import storage
 from components.core.checkpoint import TrainerCheckpoints, phase_root, train_or_resume
-from components.core.policy import add_lora, load_policy, save_policy
+from components.core.policy import load_policy, save_policy, trainable_lora
 from components.core.schema import ModelCard, PreferencePair, write_jsonl
 from components.core.tracking import phase_run, setup_phase
 from components.dpo.pairs import PairBuilder, pairs_from_ab, pairs_from_rollouts, read_ab_logs, split_pairs
@@ -231,7 +231,7 @@ def run(
         policy = load_policy(policy_model, dtype="bfloat16" if cfg.sft.bf16 else "float32", trainable=True,
                              cache=home / "cache")
         if cfg.model.lora.enabled:
-            policy = add_lora(policy, cfg.model.lora)
+            policy = trainable_lora(policy, cfg.model.lora)
         stats = train_dpo(policy, train, heldout, cfg, work / "trainer", tracker, use_cpu=cfg.run.torch_device() != "cuda",
                           checkpoints=ckpts)
         stats.update({"pairs_train": float(len(train)), "pairs_heldout": float(len(heldout))})

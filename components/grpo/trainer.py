@@ -48,7 +48,7 @@ from tqdm import tqdm
 from components.core.checkpoint import Checkpoints, phase_root
 from components.core.config import PipelineConfig
 from components.core.generation import make_backend
-from components.core.policy import add_lora, load_policy, save_policy
+from components.core.policy import load_policy, save_policy, trainable_lora
 from components.core.rewards import sage_rewards
 from components.core.rollout import RolloutSettings, rollout
 from components.core.schema import ModelCard, Task, Trajectory, Turn
@@ -245,8 +245,8 @@ def run(
         sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
         dtype = "bfloat16" if g.bf16 else "float32"
         policy = load_policy(policy_model, dtype=dtype, trainable=True, cache=home / "cache")
-        if cfg.model.lora.enabled and not policy.is_lora:
-            policy = add_lora(policy, cfg.model.lora)
+        if cfg.model.lora.enabled:
+            policy = trainable_lora(policy, cfg.model.lora)
         ref = None
         if g.beta > 0:
             ref = load_policy(policy_model, dtype=dtype, device=str(acc.device), cache=home / "cache").model.eval()

@@ -36,15 +36,23 @@ def prepare(
 # the trainer image: the sandbox image holds the environment server only (no KFP executor, no MLflow)
 @dsl.component(base_image=images.TRAINER, install_kfp_package=False)
 def configure(preset: str, overrides: str, form: str, shown: str, pipeline: str, base_model_uri: str,
-              experiment: str) -> NamedTuple("ConfigureOutputs", [("overrides", str)]):
+              experiment: str, kfp_run_id: str = "", kfp_pipeline: str = "",
+              ) -> NamedTuple("ConfigureOutputs", [("overrides", str)]):
     """The pipeline's first step: validate the run (preset, run-form parameters, overrides) before any work, and
-    hand every phase one overrides object (the changed run-form parameters with `overrides` on top)."""
+    hand every phase one overrides object (the changed run-form parameters with `overrides` on top, and the KFP run
+    id every MLflow run is tagged with)."""
+    import json
     from collections import namedtuple
 
+    from components.core.config import deep_merge
     from components.prepare.form import resolve
 
     cfg, merged, changed = resolve(preset, overrides, form, shown, pipeline,
                                    {"base_model_uri": base_model_uri, "experiment": experiment})
+    if kfp_run_id:
+        merged = json.dumps(deep_merge(json.loads(merged), {"tracking": {"kfp_run_id": kfp_run_id,
+                                                                         "kfp_pipeline": kfp_pipeline}}),
+                            sort_keys=True)
     print(f"configure: valid; preset {cfg.preset}; run-form parameters changed: {', '.join(changed) or 'none'}; "
           f"overrides: {len(overrides)} characters")
     return namedtuple("ConfigureOutputs", ["overrides"])(merged)
@@ -66,3 +74,13 @@ def skip_phase(
     res = run(phase, switch, preset=preset, overrides=overrides, policy=policy.path, model_out=model.path,
               parent_run_id=parent_run_id)
     model.metadata.update({**policy.metadata, "skipped": phase, "skip_run_id": res.run_id})
+
+
+@dsl.component(base_image=images.TRAINER, install_kfp_package=False)
+def finish_run(status: dsl.PipelineTaskFinalStatus, kfp_run_id: str, preset: str, overrides: str, experiment: str,
+               parent_run_id: str):
+    """The pipeline's exit step (dsl.ExitHandler: it runs whether the pipeline succeeded or failed): end the MLflow
+    parent run with the pipeline's state, and send what phases left buffered while MLflow was unreachable."""
+    from components.prepare.finish import run
+
+    run(status.state, kfp_run_id, preset, overrides, experiment, parent_run_id, status.error_message or "")

@@ -30,7 +30,7 @@ from components.core import storage
 from components.core.buffer import TrajectoryBuffer
 from components.core.checkpoint import TrainerCheckpoints, phase_root
 from components.core.generation import make_backend
-from components.core.policy import add_lora, load_policy, save_policy
+from components.core.policy import load_policy, save_policy, trainable_lora
 from components.core.rollout import RolloutSettings, rollout
 from components.core.schema import ModelCard, Task, Trajectory, read_jsonl, write_jsonl
 from components.core.tokens import ChatFormat
@@ -171,7 +171,7 @@ def run(
                          run_id=tracker.run_id, extra={"kept": len(chosen), "hard_tasks": int(metrics["hard_tasks"])})
         if chosen:
             if cfg.model.lora.enabled:
-                policy = add_lora(policy, cfg.model.lora)
+                policy = trainable_lora(policy, cfg.model.lora)
             sft = cfg.sft.model_copy(update={"epochs": rs.sft_epochs, "learning_rate": rs.sft_learning_rate,
                                              "max_steps": -1})
             stats = train_sft(policy, [demo_example(t) for t in chosen], sft, work / "trainer", cfg.run.seed, tracker,

@@ -26,7 +26,9 @@ def sft_warmup(
     from components.core.config import load_config
     from components.sft.trainer import gpus, run, run_distributed, run_multi_node
 
-    kwargs = dict(preset=preset, overrides=overrides, base_model=base_model.path, demos=demos.path, world=world.path,
+    # base_model_ref: where the base is stored (S3), named in a LoRA adapter's card for the pods of later phases
+    kwargs = dict(preset=preset, overrides=overrides, base_model=base_model.path,
+                  base_model_ref=base_model.metadata.get("uri", ""), demos=demos.path, world=world.path,
                   tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
     if load_config(preset=preset or None, overrides_json=overrides or None).sft.multi_node.enabled:
         res = run_multi_node(**kwargs)  # a TrainJob over several nodes, awaited here

@@ -31,7 +31,7 @@ from typing import Any
 from components.core import storage
 from components.core.checkpoint import TrainerCheckpoints, phase_root, train_or_resume
 from components.core.config import SFTConfig
-from components.core.policy import Policy, add_lora, load_policy, save_policy, save_tokenizer
+from components.core.policy import Policy, load_policy, save_policy, save_tokenizer, trainable_lora
 from components.core.schema import ModelCard, Trajectory, read_jsonl
 from components.core.tracking import PhaseRun, phase_run, rank, setup_phase
 
@@ -285,7 +285,10 @@ def run(
     world: str = "",
     parent_run_id: str | None = None,
     model_out: str | None = None,
+    base_model_ref: str = "",
 ) -> SFTResult:
+    """`base_model_ref`: a URI of the base that resolves on any machine (the stored copy), named as a LoRA
+    adapter's base in its card; default: `base_model`."""
     cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
     data_uri = cfg.sft.data_uri or (storage.join(demos, "train.jsonl") if demos else "")
     if not data_uri:
@@ -314,7 +317,7 @@ def run(
         policy = load_policy(base_uri, dtype="bfloat16" if cfg.sft.bf16 else "float32", trainable=True,
                              cache=home / "cache", model_cfg=cfg.model)
         if cfg.model.lora.enabled:
-            policy = add_lora(policy, cfg.model.lora)
+            policy = trainable_lora(policy, cfg.model.lora)
         if cfg.sft.torch_threads and cfg.run.torch_device() != "cuda":
             from components.core.tiny import set_torch_threads
 
@@ -329,7 +332,8 @@ def run(
             return None  # rank 0 saves, measures and tracks
         tracker.log_metrics(stats, step=int(stats["train_steps"]))
         card = ModelCard(base_model=base_uri, phase=PHASE, parent_run_id=tracker.parent_run_id, run_id=tracker.run_id,
-                         extra={"base_uri": base_uri, "demos": data_uri, "lora": cfg.model.lora.enabled})
+                         extra={"base_uri": base_model_ref or base_uri, "demos": data_uri,
+                                "lora": cfg.model.lora.enabled})
         if distributed:  # the weights were written collectively; add the tokenizer and the card
             save_tokenizer(policy.tokenizer, out)
             card.kind = "lora" if policy.is_lora else "full"

@@ -186,6 +186,41 @@ def test_lora_save_reload_merge(policy, tiny, tmp_path):
         add_lora(load_policy(str(tiny)), LoraConfig(target_modules=["nonexistent_proj"]))
 
 
+def test_one_lora_adapter_goes_through_every_phase(policy, tiny, tmp_path):
+    """SFT adds the adapter; each later phase trains the same one (no adapter on an adapter) and saves it with its
+    base named in the card — even without the card SFT wrote, and with TRL DPO's extra frozen "ref" copy dropped —
+    so the next phase and the registry load it as base + one adapter."""
+    import torch
+
+    from components.core.policy import trainable_lora
+
+    cfg = LoraConfig(enabled=True, r=4, alpha=8)
+    sft = trainable_lora(load_policy(str(tiny)), cfg)
+    assert sft.base_uri == str(tiny)
+    first = save_policy(sft, tmp_path / "sft", ModelCard(base_model=str(tiny), phase="sft"))
+    assert json.loads((first / "agentrl.json").read_text())["extra"]["base_uri"] == str(tiny)
+    current = first
+    for phase in ("grpo", "rejection_sampling", "dpo"):
+        pol = load_policy(str(current), trainable=True)
+        again = trainable_lora(pol, cfg)
+        assert again is pol and list(again.model.peft_config) == ["default"], phase  # the same adapter, not a new one
+        with torch.no_grad():
+            for n, p in again.model.named_parameters():
+                if "lora_B" in n and ".default." in n:
+                    p.add_(0.01)
+        if phase == "dpo":  # what TRL's DPOTrainer does with a pretrained adapter: a frozen reference copy
+            again.model.add_adapter("ref", again.model.peft_config["default"])
+        current = save_policy(again, tmp_path / phase, ModelCard(base_model=str(current), phase=phase))
+        card = json.loads((current / "agentrl.json").read_text())
+        assert card["kind"] == "lora" and card["extra"]["base_uri"] == str(tiny), phase
+        assert not (current / "ref").exists()
+    final = load_policy(str(current))
+    assert final.base_uri == str(tiny) and list(final.model.peft_config) == ["default"]
+    ids = policy.tokenizer("hello world", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert not torch.allclose(final.model(input_ids=ids).logits, policy.model(input_ids=ids).logits, atol=1e-4)
+
+
 def test_hf_backend_weight_update_matches_transformers(tiny, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

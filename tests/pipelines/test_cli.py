@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from pipelines.cli import main
@@ -33,7 +34,17 @@ def test_compile_writes_a_pipeline_with_documented_parameters(tmp_path):
     spec = docs[0]
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {"base_model_uri", "preset", "overrides", "experiment", "parent_run_id", "dpo_ab_logs_uri"} <= set(params)
-    tasks = spec["root"]["dag"]["tasks"]
+    root = spec["root"]["dag"]["tasks"]
+    # the body runs inside a dsl.ExitHandler; its exit step ends the MLflow parent run whatever the outcome
+    (handler,) = [n for n in root if n.startswith("exit-handler")]
+    assert root["finish-run"]["dependentTasks"] == [handler]
+    assert root["finish-run"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
+    finish_inputs = root["finish-run"]["inputs"]["parameters"]
+    assert finish_inputs["kfp_run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
+    assert "status" in finish_inputs  # PipelineTaskFinalStatus
+    tasks = spec["components"][root[handler]["componentRef"]["name"]]["dag"]["tasks"]
+    assert tasks["configure"]["inputs"]["parameters"]["kfp_run_id"]["runtimeValue"]["constant"] == \
+        "{{$.pipeline_job_uuid}}"
     # configure -> sandbox-build -> prepare -> [sft | skip] -> [grpo | skip] -> [rs | skip] -> [dpo | skip] -> evaluate
     assert "dependentTasks" not in tasks["configure"]
     assert tasks["sandbox-build"]["dependentTasks"] == ["configure"]
@@ -70,6 +81,14 @@ def test_run_locally_through_kfp_local(tmp_path):
     res = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", *QUICK], capture_output=True, text=True,
                          env=env, timeout=900)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    # the console: one line per task (with its key number) and the table; kfp.local's executor logs in a file
+    assert "executor_input" not in res.stdout + res.stderr
+    (log,) = (tmp_path / "home" / "logs").glob("run-*.log")
+    assert "executor_input" in log.read_text()
+    for task in ("configure", "sandbox-build", "prepare", "sft-warmup", "grpo", "rejection-sampling", "dpo", "evaluate",
+                 "finish-run"):
+        assert any(line.split()[:2] == [task, "SUCCESS"] for line in res.stdout.splitlines()), (task, res.stdout)
+    assert any(line.split()[:2] == ["evaluate", "SUCCESS"] and "hard_tgc=" in line for line in res.stdout.splitlines())
     report = json.loads((tmp_path / "home" / "last_run.json").read_text())
     assert report["status"] == "FINISHED"
     assert report["phases"]["prepare"]["status"] == "FINISHED"
@@ -94,6 +113,43 @@ def test_run_locally_through_kfp_local(tmp_path):
     assert {"report.html", "metrics.json"} <= names, names
     assert report["tracking_buffered"] == {}
     assert not list((tmp_path / "home" / "metric_buffer").glob("*.jsonl"))
+    # every MLflow run carries the KFP run's id; the exit step (dsl.ExitHandler) ended the parent with its state
+    kfp_ids = {client.get_run(v["run_id"]).data.tags.get("kfp.run_id") for v in report["phases"].values()}
+    assert len(kfp_ids) == 1 and None not in kfp_ids and "" not in kfp_ids
+    assert client.get_run(report["parent_run_id"]).data.tags["kfp.final_state"] == "SUCCEEDED"
+    assert client.get_run(report["phases"]["eval"]["run_id"]).data.tags["kfp.pipeline"] == "agentrl"
+
+
+@pytest.mark.slow
+def test_run_with_lora_hands_on_one_adapter_every_phase_and_the_registry_can_load(tmp_path):
+    """`model.lora.enabled=true` end to end: each phase's model is the one adapter on prepare's stored base,
+    named in its card, so the next phase and the registry's champion load it."""
+    from components.core.policy import load_policy
+    from components.core.tracking import Registry
+
+    env = {"AGENTRL_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "HOME": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", *QUICK, "--set", "model.lora.enabled=true",
+                          "--set", "model.lora.r=4"], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    report = json.loads((tmp_path / "home" / "last_run.json").read_text())
+    assert report["status"] == "FINISHED"
+    (root,) = (tmp_path / "home" / "pipeline_root").iterdir()
+    base = json.loads(next((root / "prepare").rglob("agentrl.json")).read_text())
+    for phase in ("sft-warmup", "grpo", "rejection-sampling", "dpo"):
+        card_file = next((root / phase).rglob("agentrl.json"))
+        card = json.loads(card_file.read_text())
+        assert card["kind"] == "lora" and (card_file.parent / "adapter_config.json").is_file(), phase
+        assert card["extra"]["base_uri"] and "pipeline_root" not in card["extra"]["base_uri"], phase  # the stored base
+        assert load_policy(str(card_file.parent)).is_lora
+    assert base["kind"] == "full"
+    champion = Registry(report["tracking_uri"]).get_alias("champion")
+    if champion is not None:  # promoted (the gate's call): what the registry hands on loads as base + adapter
+        import mlflow
+
+        local = mlflow.artifacts.download_artifacts(artifact_uri=champion.source, dst_path=str(tmp_path / "champ"),
+                                                    tracking_uri=report["tracking_uri"])
+        assert load_policy(local).is_lora
 
 
 def test_run_with_a_bad_override_fails_before_any_work(tmp_path):

@@ -41,10 +41,20 @@ def configured(place, p: SimpleNamespace, pipeline: str):
                            kfp_pipeline=PIPELINE_NAMES[pipeline]), "configure")
 
 
-def finisher(place, p: SimpleNamespace):
-    """The exit step (for dsl.ExitHandler): ends the MLflow parent run with the pipeline's final state."""
-    return place(finish_run(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, preset=p.preset, overrides=p.overrides,
-                            experiment=getattr(p, "experiment", ""), parent_run_id=p.parent_run_id), "finish_run")
+def with_exit_step(place, body: Callable[[SimpleNamespace], None], pipeline: str, preset: str, doc: str,
+                   description: str):
+    """The pipeline `pipeline` (its run form from `preset`): `body` inside a dsl.ExitHandler whose exit step
+    (`finish_run`) ends the MLflow parent run with the pipeline's final state, whether it succeeded or failed."""
+
+    def run(p: SimpleNamespace):
+        exit_step = place(finish_run(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, preset=p.preset, overrides=p.overrides,
+                                     experiment=getattr(p, "experiment", ""), parent_run_id=p.parent_run_id),
+                          "finish_run")
+        with dsl.ExitHandler(exit_step, name=f"{PIPELINE_NAMES[pipeline]}-run"):
+            body(p)
+
+    run.__name__, run.__doc__ = pipeline, doc
+    return form_pipeline(pipeline, preset, name=PIPELINE_NAMES[pipeline], description=description)(run)
 
 
 def switched(place, on: Any, phase: str, ctx: dict[str, Any], policy: Any, task: Callable[[], Any]) -> Any:
@@ -99,17 +109,9 @@ def build(plan: dict[str, Placement], preset: str = "tiny"):
             **ctx, policy=rl, world=world, tasks=tasks))
         dpo_evaluate_promote(place, ctx, rs, p.dpo_ab_logs_uri, world, tasks, run_dpo=p.run_dpo)
 
-    @form_pipeline(
-        "agent_rl", preset, name="agentrl",
-        description="Turn a base LLM into a tool-using agent: SFT warmup, sandbox, GRPO, rejection sampling, "
-        "DPO from A/B data, evaluation and promotion.",
-    )
-    def agent_rl(p: SimpleNamespace):
-        """agentrl end to end."""
-        with dsl.ExitHandler(finisher(place, p), name="agentrl-run"):
-            body(p)
-
-    return agent_rl
+    return with_exit_step(place, body, "agent_rl", preset, "agentrl end to end.",
+                          "Turn a base LLM into a tool-using agent: SFT warmup, sandbox, GRPO, rejection sampling, "
+                          "DPO from A/B data, evaluation and promotion.")
 
 
 agent_rl = build(load_plan("local"))

@@ -11,9 +11,8 @@ from kfp import dsl
 from components.evaluation.component import champion
 from components.grpo.component import grpo
 from components.sandbox.component import sandbox_build
-from pipelines.agent_rl import configured, dpo_evaluate_promote, finisher
+from pipelines.agent_rl import configured, dpo_evaluate_promote, with_exit_step
 from pipelines.placement import Placement, fit_gpus, load_plan, placer
-from pipelines.run_form import form_pipeline
 
 
 def build(plan: dict[str, Placement], preset: str = "tiny"):
@@ -36,17 +35,9 @@ def build(plan: dict[str, Placement], preset: str = "tiny"):
         with dsl.Else(name="no-refresh"):
             dpo_evaluate_promote(place, ctx, champ.outputs["model"], p.ab_logs_uri, world, tasks)
 
-    @form_pipeline(
-        "retrain", preset, name="agentrl-retrain",
-        description="Scheduled retraining: the champion and new A/B deployment logs -> (GRPO refresh) -> DPO -> "
-        "evaluation -> promotion.",
-    )
-    def retrain(p: SimpleNamespace):
-        """Retrain the champion on new A/B feedback."""
-        with dsl.ExitHandler(finisher(place, p), name="agentrl-retrain-run"):
-            body(p)
-
-    return retrain
+    return with_exit_step(place, body, "retrain", preset, "Retrain the champion on new A/B feedback.",
+                          "Scheduled retraining: the champion and new A/B deployment logs -> (GRPO refresh) -> DPO -> "
+                          "evaluation -> promotion.")
 
 
 retrain = build(load_plan("local"))

@@ -73,15 +73,19 @@ def test_bad_input_is_refused_before_anything_is_sent(capsys):
 def test_retrain_pipeline_shape(tmp_path):
     assert main(["compile", "--pipeline", "retrain", "-o", str(tmp_path / "r.yaml")]) == 0
     spec = next(yaml.safe_load_all((tmp_path / "r.yaml").read_text()))
-    tasks = spec["root"]["dag"]["tasks"]
-    assert set(tasks) == {"configure", "sandbox-build", "champion", "condition-branches-1"}
-    assert sorted(tasks["condition-branches-1"]["dependentTasks"]) == ["champion", "configure", "sandbox-build"]
+    root = spec["root"]["dag"]["tasks"]
+    # the body inside a dsl.ExitHandler whose exit step ends the MLflow parent run
+    assert set(root) == {"exit-handler-1", "finish-run"} and root["finish-run"]["dependentTasks"] == ["exit-handler-1"]
     comps = spec["components"]
-    branches = [set(comps[f"comp-{b}"]["dag"]["tasks"]) for b in comps["comp-condition-branches-1"]["dag"]["tasks"]]
+    tasks = comps[root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
+    (cond,) = [n for n in tasks if n.startswith("condition-branches")]
+    assert set(tasks) == {"configure", "sandbox-build", "champion", cond}
+    assert sorted(tasks[cond]["dependentTasks"]) == ["champion", "configure", "sandbox-build"]
+    branches = [set(comps[f"comp-{b}"]["dag"]["tasks"]) for b in comps[f"comp-{cond}"]["dag"]["tasks"]]
     # with the refresh: grpo -> dpo -> evaluate (-> promote); without: dpo -> evaluate (-> promote)
     assert sorted(sorted(t for t in b if not t.startswith("condition")) for b in branches) == [
         ["dpo", "evaluate", "grpo"], ["dpo-2", "evaluate-2"]]
-    refresh = next(comps[f"comp-{b}"]["dag"]["tasks"] for b in comps["comp-condition-branches-1"]["dag"]["tasks"]
+    refresh = next(comps[f"comp-{b}"]["dag"]["tasks"] for b in comps[f"comp-{cond}"]["dag"]["tasks"]
                    if "grpo" in comps[f"comp-{b}"]["dag"]["tasks"])
     assert "grpo" in refresh["dpo"]["dependentTasks"]
     params = spec["root"]["inputDefinitions"]["parameters"]

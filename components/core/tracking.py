@@ -806,6 +806,18 @@ class Registry:
     def set_alias(self, alias: str, version: str | int) -> None:
         self.client.set_registered_model_alias(self.name, alias, str(version))
 
+    def download(self, alias: str, dest: str | os.PathLike) -> tuple[str, str] | None:
+        """(local directory, version) of the model version behind `alias`, downloaded into `dest`; None when the
+        registry has no such alias (e.g. no champion before the first promotion)."""
+        import mlflow
+
+        mv = self.get_alias(alias)
+        if mv is None:
+            return None
+        local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest),
+                                                    tracking_uri=self.tracking_uri)
+        return local, str(mv.version)
+
     def get_alias(self, alias: str):
         """The ModelVersion behind `alias`, or None."""
         from mlflow.exceptions import MlflowException

@@ -174,7 +174,8 @@ def run(
     cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
     if not policy_model:
         raise ValueError("dpo: no incoming policy (policy_model) to start from")
-    from components.evaluation.evaluate import load_sandbox, quick_eval, world_beside
+    from components.evaluation.evaluate import quick_eval
+    from components.sandbox.suites import load_sandbox, world_beside
 
     # a KFP retry of this step reuses the A/B logs an earlier attempt simulated and resumes its training
     ckpts = TrainerCheckpoints(phase_root(storage_root, parent_run_id, PHASE, cfg.dpo.checkpoint_uri),
@@ -198,10 +199,9 @@ def run(
             champion, variant_a = champion_model, "given"
             if not champion:  # A is what serves today: the registry's champion; before the first promotion, none
                 from components.core.tracking import Registry
-                from components.evaluation.recipe import champion_dir
 
-                found = champion_dir(Registry(getattr(tracker, "tracking_uri", None), cfg.tracking.registered_model),
-                                     work / "champion")
+                found = Registry(getattr(tracker, "tracking_uri", None), cfg.tracking.registered_model).download(
+                    "champion", work / "champion")
                 champion, variant_a = (found[0], f"champion version {found[1]}") if found else (
                     policy_model, "the candidate itself (no champion yet)")
             tracker.set_tags({"agentrl.dpo.variant_a": variant_a})

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from components.core.tracking import PhaseRun, Registry, setup_phase
-from components.evaluation.evaluate import SUITES, evaluate_model, flat, load_sandbox
+from components.evaluation.evaluate import SUITES, evaluate_model, flat
 from components.evaluation.gate import Decision, decide, deltas, paired_delta
 from components.evaluation.report import PROGRESS_METRICS, phase_progress, render_report
+from components.sandbox.suites import load_sandbox
 
 PHASE = "eval"
 
@@ -38,14 +39,7 @@ class EvalResult:
 
 def champion_dir(registry: Registry, dest: Path) -> tuple[str, str] | None:
     """(local dir, version) of the current champion, downloaded from its model version source."""
-    import mlflow
-
-    mv = registry.get_alias("champion")
-    if mv is None:
-        return None
-    local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest),
-                                                tracking_uri=registry.tracking_uri)
-    return local, str(mv.version)
+    return registry.download("champion", dest)
 
 
 def run(

@@ -196,9 +196,10 @@ def run(
     from transformers import get_constant_schedule
     from trl.models import unwrap_model_for_generation
 
-    from components.evaluation.evaluate import evaluate_policy, flat, load_sandbox, world_beside
+    from components.evaluation.evaluate import evaluate_policy, flat
     from components.sandbox.env import WorkspaceEnv
     from components.sandbox.skills import SkillLibrary
+    from components.sandbox.suites import load_sandbox, world_beside
 
     g = cfg.grpo
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before any work

@@ -135,7 +135,8 @@ def run(
     cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
     if not policy_model:
         raise ValueError("rejection_sampling: no incoming policy (policy_model) to start from")
-    from components.evaluation.evaluate import load_sandbox, quick_eval, world_beside
+    from components.evaluation.evaluate import quick_eval
+    from components.sandbox.suites import load_sandbox, world_beside
     from components.sft.trainer import demo_example, train_sft
 
     rs = cfg.rejection_sampling

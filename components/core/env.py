@@ -10,13 +10,14 @@ parties register theirs through the `agentrl.environments` entry-point group:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
-from components.core.schema import Task, Verdict
+from components.core.schema import Task, Trajectory, Verdict
 
-__all__ = ["Environment", "StepResult", "available", "make"]
+__all__ = ["Environment", "LoadedEnvironment", "StepResult", "available", "load", "make", "world_beside"]
 
 GROUP = "agentrl.environments"
 
@@ -61,3 +62,53 @@ def make(name: str, **kwargs: Any) -> Environment:
     if name not in eps:
         raise KeyError(f"environment {name!r} is not registered in {GROUP!r}; known: {sorted(eps)}")
     return eps[name].load()(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# A loaded environment: what every phase gets its tasks, suites, episodes and expert from
+# ----------------------------------------------------------------------------------------------
+LOADERS = "agentrl.environment_loaders"
+BUILTIN_LOADERS = {"workspace": "components.sandbox.suites:load_sandbox"}  # the default, without an install step
+
+
+@runtime_checkable
+class LoadedEnvironment(Protocol):
+    """An environment with its task sources, as `load` returns it (the workspace's is `sandbox.suites.Sandbox`).
+
+    `suites`: task lists by name ('train' for the SFT demos, 'practice' for online phases, and the held-out ones
+    named in `heldout`)."""
+
+    suites: dict[str, list[Task]]
+    heldout: tuple[str, ...]
+
+    def online_tasks(self, pool: str = "practice") -> list[Task]:
+        """The tasks GRPO, rejection sampling and simulated A/B requests sample on."""
+
+    def factory(self, action_format: str | None = None) -> Callable[[], Environment]:
+        """A maker of fresh environments (one per sampled chain of tasks)."""
+
+    def expert(self, env: Environment, task: Task, action_format: str | None = None) -> Trajectory:
+        """An expert solution of `task` played in `env` (for supervision and repair)."""
+
+
+def load(cfg: Any, world: str | None = None, tasks_dir: str | None = None, name: str = "workspace") -> LoadedEnvironment:
+    """The environment `name` with its tasks: from a built sandbox (`tasks_dir`, and `world` or the world.json beside
+    it) when given, else generated from the config. Loaders register under the `agentrl.environment_loaders`
+    entry-point group: `loader(cfg, world_path, tasks_dir) -> LoadedEnvironment`."""
+    from importlib import import_module
+
+    eps = {ep.name: ep.value for ep in entry_points(group=LOADERS)}
+    target = eps.get(name) or BUILTIN_LOADERS.get(name)
+    if target is None:
+        raise KeyError(f"environment {name!r}: no loader in {LOADERS!r}; known: {sorted({*eps, *BUILTIN_LOADERS})}")
+    module, _, attr = target.partition(":")
+    return getattr(import_module(module), attr)(cfg, world_beside(tasks_dir, world), tasks_dir or None)
+
+
+def world_beside(tasks_dir: str | None, world: str | None) -> str | None:
+    """`world` if given, else the world.json of the sandbox_build output that holds `tasks_dir`."""
+    from pathlib import Path
+
+    if tasks_dir and not world and (Path(tasks_dir).parent / "world.json").exists():
+        return str(Path(tasks_dir).parent / "world.json")
+    return world or None

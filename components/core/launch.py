@@ -165,10 +165,9 @@ def phase_command(module: str, kwargs_json: str, result_uri: str, gpus_per_node:
 JOB_ENV = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "MLFLOW_S3_ENDPOINT_URL", "HF_HUB_OFFLINE")
 
 
-def run_torchrun(module: str, nproc: int, kwargs: dict[str, Any], workdir_env: str) -> dict[str, Any]:
+def run_torchrun(module: str, nproc: int, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Run `python -m <module> --args ...` under torchrun with `nproc` processes (one per GPU; gloo on CPU
-    in tests) and return rank 0's result. `workdir_env` names the phase's work-directory variable: the
-    processes share one work directory."""
+    in tests) and return rank 0's result. The processes share one work directory (`work_dir`)."""
     import json
     import subprocess
     import sys
@@ -176,10 +175,10 @@ def run_torchrun(module: str, nproc: int, kwargs: dict[str, Any], workdir_env: s
 
     with tempfile.TemporaryDirectory() as d:
         result = Path(d) / "result.json"
-        env = dict(os.environ, **{workdir_env: os.environ.get(workdir_env) or str(Path(d) / "work")})
+        kwargs = {**kwargs, "work_dir": kwargs.get("work_dir") or str(Path(d) / "work")}
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
                "-m", module, "--args", json.dumps(kwargs), "--result", str(result)]
-        subprocess.run(cmd, check=True, env=env)
+        subprocess.run(cmd, check=True)
         return json.loads(result.read_text())
 
 

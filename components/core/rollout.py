@@ -27,7 +27,7 @@ from components.core.schema import RewardBreakdown, Task, Trajectory, Turn, Verd
 from components.core.tokens import ChatFormat
 from components.core.tokens import Sequence as TokSeq
 
-__all__ = ["RolloutSettings", "rollout"]
+__all__ = ["Group", "RolloutSettings", "regroup", "rollout", "rollout_groups"]
 
 
 @dataclass
@@ -52,6 +52,18 @@ class RolloutSettings:
                     max_context_tokens=g.max_context_tokens, max_live=g.batch_size, top_p=g.top_p,
                     temperature=max(g.temperature, 1e-3), seed=cfg.run.seed)
         return cls(**{**base, **overrides})
+
+
+@dataclass
+class Group:
+    """One chain of tasks (one task for plain rollouts) and its `group_size` samples: each sample is the chain's
+    episodes in order. GRPO normalises rewards within a group, per chain position."""
+
+    chain: list[Task]
+    samples: list[list[Trajectory]]
+
+    def episodes(self) -> list[Trajectory]:
+        return [t for s in self.samples for t in s]
 
 
 @dataclass
@@ -86,10 +98,15 @@ def rollout(
     settings: RolloutSettings | None = None,
     rewards: RewardConfig | None = None,
     reward_fn: Callable[[Trajectory, Verdict], Any] | None = None,
+    chain_reward: Callable[[list[Trajectory]], list[RewardBreakdown]] | None = None,
 ) -> list[Trajectory]:
-    """Run every task (or chain of tasks) `group_size` times; returns Trajectories grouped by chain then sample.
+    """Run every task (or chain of tasks) `group_size` times; returns Trajectories ordered by chain, then sample,
+    then position in the chain (`rollout_groups` returns them as groups).
 
     `env_factory()` makes a fresh Environment (with its own skill library); it is called once per slot.
+    Rewards: `reward_fn(traj, verdict)` per episode (default: the reward table, `core.rewards.score`); then, when a
+    sample's chain is complete, `chain_reward(episodes)` may replace them with rewards of the whole chain (SAGE's
+    skill-integrated reward: task 1's reward depends on whether task 2 reused its skill).
     """
     s = settings or RolloutSettings()
     rewards = rewards or RewardConfig()
@@ -136,6 +153,9 @@ def rollout(
             turn.credit = c
         ep.slot.out.append(traj)
         bar.update()
+        if chain_reward is not None and len(ep.slot.out) == len(ep.slot.chain):
+            for t, r in zip(ep.slot.out, chain_reward(ep.slot.out), strict=True):
+                t.reward = r
         if ep.slot.next < len(ep.slot.chain):
             start(ep.slot)
         else:
@@ -183,6 +203,27 @@ def rollout(
             if sl.env is not None and hasattr(sl.env, "close"):
                 sl.env.close()
     return [t for sl in slots for t in sl.out]
+
+
+def rollout_groups(backend: GenerationBackend, env_factory: Callable[[], Any], fmt: ChatFormat,
+                   tasks: Sequence[Task] | Sequence[Sequence[Task]], settings: RolloutSettings | None = None,
+                   **rewards: Any) -> list[Group]:
+    """`rollout`, returned as one Group per chain (`rewards`: rollout's reward keyword arguments)."""
+    s = settings or RolloutSettings()
+    chains = [list(t) if isinstance(t, (list, tuple)) else [t] for t in tasks]
+    return regroup(rollout(backend, env_factory, fmt, chains, s, **rewards), chains, s.group_size)
+
+
+def regroup(trajs: Sequence[Trajectory], chains: Sequence[Sequence[Task]], group_size: int) -> list[Group]:
+    """Trajectories in `rollout`'s order (chain, sample, position) as groups."""
+    out, k = [], 0
+    for chain in chains:
+        n = len(chain)
+        out.append(Group(list(chain), [list(trajs[k + i * n:k + (i + 1) * n]) for i in range(group_size)]))
+        k += n * group_size
+    if k != len(trajs):
+        raise ValueError(f"regroup: {len(trajs)} trajectories for {len(chains)} chains x {group_size} samples")
+    return out
 
 
 def _advance(ep: _Episode, out, fmt: ChatFormat, s: RolloutSettings) -> None:

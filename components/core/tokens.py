@@ -18,7 +18,10 @@ reasoning) breaks the prefix property and is refused with a way out (`model.chat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from components.core.schema import Trajectory
 
 SENT_A = "\u2063AGENTRL_ASSISTANT\u2063"
 SENT_O = "\u2063AGENTRL_OBSERVATION\u2063"
@@ -249,3 +252,22 @@ def chat_format(tokenizer: Any) -> ChatFormat:
 def encode_messages(tokenizer: Any, messages: list[dict[str, str]], train_from: int = 0) -> tuple[list[int], list[int]]:
     """Whole-conversation encoding (SFT/DPO data, expert turns): ids and the agent mask (see `encode_conversation`)."""
     return chat_format(tokenizer).encode_conversation(messages, train_from)
+
+
+# Conversations as training examples (SFT, rejection sampling, error supervision, GRPO's expert turns)
+def messages(traj: Trajectory) -> list[dict[str, str]]:
+    return [{"role": t.role, "content": t.text} for t in traj.turns]
+
+
+def demo_example(traj: Trajectory) -> dict[str, Any]:
+    """prompt = system + user; completion = every later turn (loss on its assistant turns only)."""
+    msgs = messages(traj)
+    return {"prompt": msgs[:2], "completion": msgs[2:]}
+
+
+def error_example(good: Trajectory, failed: Trajectory) -> dict[str, Any] | None:
+    """STaR-style: the failed first action and its observation in the prompt, the expert's turns after it."""
+    bad = messages(failed)
+    if len(bad) < 4 or bad[2]["role"] != "assistant":
+        return None
+    return {"prompt": bad[:4], "completion": messages(good)[2:]}

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from components.core import storage
-from components.core.config import PipelineConfig, flatten, load_config
+from components.core.config import PipelineConfig, flatten
 
 log = logging.getLogger("agentrl.tracking")
 
-__all__ = ["setup_phase", "NullRun", "phase_run", "rank", "start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry", "flush_pending", "finish_pipeline_runs"]
+__all__ = ["NullRun", "phase_run", "rank", "start_pipeline_run", "end_run", "ensure_experiment", "PhaseRun", "resolve_tracking_uri", "scrub", "local_tracking_uri", "MetricBuffer", "Registry", "flush_pending", "finish_pipeline_runs"]
 
 _SECRET_KEY = re.compile(
     r"(^|[._-])(secret|secrets|password|passwd|pwd|token|api[_-]?key|access[_-]?key|secret[_-]?key|"
@@ -60,19 +60,6 @@ def scrub(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def agentrl_home() -> Path:
     return Path(os.environ.get("AGENTRL_HOME", ".agentrl")).resolve()
-
-
-def setup_phase(preset: str = "", overrides: str = "", set_pairs=(), torch_threads: bool = True):
-    """What every phase does first: resolve and validate the config (before any work), pin AGENTRL_HOME,
-    set the torch thread count. Returns (config, home, storage root)."""
-    cfg = load_config(preset=preset or None, overrides_json=overrides or None, set_pairs=set_pairs)
-    home = Path(cfg.run.home).resolve()
-    os.environ.setdefault("AGENTRL_HOME", str(home))
-    if torch_threads:
-        from components.core.tiny import set_torch_threads
-
-        set_torch_threads(cfg.run.torch_threads)
-    return cfg, home, cfg.storage.root or str(home / "store")
 
 
 def local_tracking_uri(home: str | os.PathLike | None = None) -> str:

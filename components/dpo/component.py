@@ -26,12 +26,11 @@ def dpo(
     import shutil
     from collections import namedtuple
 
-    from components.dpo import run
+    from components.dpo.recipe import run
 
     work = os.path.join(os.path.dirname(model.path), "dpo-work")
-    os.environ["AGENTRL_DPO_WORKDIR"] = work
     res = run(preset=preset, overrides=overrides, policy_model=policy.path, ab_logs=ab_logs_uri, world=world.path,
-              tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
+              tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path, work_dir=work)
     shutil.copytree(os.path.join(work, "pairs"), pairs.path, dirs_exist_ok=True)
     for name, value in sorted(res.metrics.items()):
         metrics.log_metric(name.replace("/", "_"), float(value))

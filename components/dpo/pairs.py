@@ -4,7 +4,7 @@ Sources (each pair records which one made it):
 - `ab`: for one request, a thumbs-up answer over a thumbs-down answer of the other variant. The prompt is
   the longest common prefix of the two conversations (system, request, and any identical turns); chosen
   and rejected are the two continuations (multi-turn: agent turns with the observations between them —
-  the loss falls on agent tokens only, see trainer.py).
+  the loss falls on agent tokens only, see recipe.py).
 - `ab` with a correction: the reply the user wrote over the agent's reply at that turn.
 - `step` (optional): the same prefix, only the first diverging agent turn of each side.
 - `rollout` (optional, AgentQ-style): the best vs the worst trajectory of a group of rollouts.

@@ -57,15 +57,11 @@ def simulate_ab(
     progress: bool = True,
 ) -> dict[str, float]:
     """Serve `simulate.requests` sandbox requests to both variants; write ABRecords to `out_uri`."""
-    from components.sandbox import expert
-    from components.sandbox.env import WorkspaceEnv
-
     sim = cfg.dpo.simulate
     rng = random.Random(f"ab:{cfg.run.seed}")
     tasks = draw_requests(sandbox, sim, rng)
 
-    def make_env():
-        return WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards)
+    make_env = sandbox.factory()
 
     answers = {"A": _sample(policy_a, model_a, cfg, make_env, tasks, "ab-A", cfg.run.seed, progress),
                "B": _sample(policy_b, model_b, cfg, make_env, tasks, "ab-B", cfg.run.seed + 1, progress)}
@@ -82,7 +78,7 @@ def simulate_ab(
             fb = Feedback(thumb=thumb)
             if thumb == "down" and rng.random() < sim.correction_rate:
                 if task.id not in experts:
-                    experts[task.id] = expert.solve_json(make_env(), task)[0]
+                    experts[task.id] = sandbox.expert(make_env(), task, action_format="json")
                 fix = expert_correction(traj, experts[task.id])
                 if fix is not None:
                     fb.correction_turn, fb.correction = fix

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.core.tracking import PhaseRun, Registry, setup_phase
-from components.evaluation.evaluate import SUITES, evaluate_model, flat
+from components.core import env as environments
+from components.core.evaluate import evaluate_model, flat
+from components.core.phase import setup_phase
+from components.core.tracking import PhaseRun, Registry
 from components.evaluation.gate import Decision, decide, deltas, paired_delta
 from components.evaluation.report import PROGRESS_METRICS, phase_progress, render_report
-from components.sandbox.suites import load_sandbox
 
 PHASE = "eval"
 
@@ -59,7 +60,7 @@ def run(
     suites = tuple(suites) or tuple(cfg.eval.suites)
     with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
         registry = Registry(tracker.tracking_uri, cfg.tracking.registered_model)
-        sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
+        sandbox = environments.load(cfg, world or None, tasks_dir or None)
         cand = evaluate_model(model, cfg, sandbox, suites, cache=str(home / "cache"))
         tracker.log_metrics(flat(cand["metrics"]), step=0)
 
@@ -164,4 +165,4 @@ def promote_version(version: str, tracking_uri: str | None = None, name: str = "
     Registry(tracking_uri, name).set_alias("champion", version)
 
 
-__all__ = ["EvalResult", "PHASE", "SUITES", "fetch_champion", "promote_version", "register_candidate", "run"]
+__all__ = ["EvalResult", "PHASE", "fetch_champion", "promote_version", "register_candidate", "run"]

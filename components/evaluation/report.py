@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from components.core.report import Report, bar_chart
+from components.core.reporting import Report, bar_chart
 from components.evaluation.gate import Decision
 
 HEADLINE = ("tgc", "sgc", "pass_at_k", "valid_action_rate", "safety_violation_rate", "avg_steps", "tokens_per_task",

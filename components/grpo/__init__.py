@@ -1,5 +1,6 @@
 """GRPO for multi-turn agents: SAGE chains, curriculum, collapse monitor with SFT repair, exact resume."""
 
-from components.grpo.trainer import GRPOResult, run
+from components.core.phase import PhaseResult
+from components.grpo.recipe import launch, run
 
-__all__ = ["GRPOResult", "run"]
+__all__ = ["PhaseResult", "run", "launch"]

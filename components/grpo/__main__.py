@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--args", required=True, help="JSON object of components.grpo.run keyword arguments")
     p.add_argument("--result", default=None, help="write the result (JSON) here")
     ns = p.parse_args(argv)
-    from components.grpo.trainer import run
+    from components.grpo.recipe import run
 
     res = run(**json.loads(ns.args))
     if ns.result and res is not None:

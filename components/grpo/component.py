@@ -22,19 +22,10 @@ def grpo(
     """Multi-turn GRPO in the sandbox from the SFT model; checkpoints under the parent run, so a retry resumes."""
     from collections import namedtuple
 
-    from components.core.config import load_config
-    from components.grpo.trainer import run, run_distributed, run_multi_node
-    from components.sft.trainer import gpus
+    from components.grpo.recipe import launch
 
-    kwargs = dict(preset=preset, overrides=overrides, policy_model=policy.path, world=world.path, tasks_dir=tasks.path,
-                  parent_run_id=parent_run_id, model_out=model.path)
-    cfg = load_config(preset=preset or None, overrides_json=overrides or None)
-    if cfg.grpo.multi_node.enabled:
-        res = run_multi_node(**kwargs)  # a TrainJob over several nodes, awaited here
-    elif gpus() > 1 and cfg.generation.backend == "hf":  # one process per GPU under torchrun (data parallel)
-        res = run_distributed(gpus(), **kwargs)
-    else:  # one process (with vLLM generation: one process, one engine, one GPU)
-        res = run(**kwargs)
+    res = launch(preset=preset, overrides=overrides, policy_model=policy.path, world=world.path, tasks_dir=tasks.path,
+                 parent_run_id=parent_run_id, model_out=model.path)
     for name, value in sorted(res.metrics.items()):
         metrics.log_metric(name.replace("/", "_"), float(value))
     model.metadata.update({"uri": res.model_uri, "steps": res.steps_done,

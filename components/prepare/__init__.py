@@ -1,5 +1,6 @@
 """prepare: resolve and validate the pipeline config, bring the base model in, open the parent run."""
 
-from components.prepare.build import PrepareResult, run
+from components.core.phase import PhaseResult
+from components.prepare.recipe import run
 
-__all__ = ["PrepareResult", "run"]
+__all__ = ["PhaseResult", "run"]

@@ -9,7 +9,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.core.tracking import PhaseRun, setup_phase
+from components.core.phase import setup_phase
+from components.core.tracking import PhaseRun
 
 
 @dataclass

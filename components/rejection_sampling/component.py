@@ -25,12 +25,11 @@ def rejection_sampling(
     import shutil
     from collections import namedtuple
 
-    from components.rejection_sampling import run
+    from components.rejection_sampling.recipe import run
 
     work = os.path.join(os.path.dirname(model.path), "rs-work")
-    os.environ["AGENTRL_RS_WORKDIR"] = work
     res = run(preset=preset, overrides=overrides, policy_model=policy.path, world=world.path, tasks_dir=tasks.path,
-              parent_run_id=parent_run_id, model_out=model.path)
+              parent_run_id=parent_run_id, model_out=model.path, work_dir=work)
     shutil.copytree(os.path.join(work, "kept"), kept.path, dirs_exist_ok=True)
     for name, value in sorted(res.metrics.items()):
         metrics.log_metric(name.replace("/", "_"), float(value))

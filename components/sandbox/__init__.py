@@ -1,5 +1,5 @@
 """The workspace sandbox (mail, files, calendar, chat) and the `sandbox_build` phase."""
 
-from components.sandbox.build import BuildResult, run
+from components.sandbox.recipe import BuildResult, run
 
 __all__ = ["BuildResult", "run"]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from components.core.schema import RewardBreakdown, Task, Trajectory, Turn, Verdict
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.workspace import WorkspaceEnv
 
 RETRYABLE = (429, 503)
 

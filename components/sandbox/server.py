@@ -42,9 +42,9 @@ from components.core.config import RewardConfig, SandboxConfig, SandboxServerCon
 from components.core.env import StepResult
 from components.core.schema import Task, Verdict, from_record, to_record
 from components.sandbox.apis import CATALOGUE
-from components.sandbox.env import WorkspaceEnv
 from components.sandbox.skills import SkillLibrary
 from components.sandbox.tasks import check_options
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import World, generate_world
 
 TOKENS_ENV = "AGENTRL_SANDBOX_TOKENS"  # the server's: `client:token` per line (or comma), or bare tokens

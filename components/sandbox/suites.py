@@ -1,17 +1,20 @@
-"""The sandbox's suites, and loading a built sandbox (world + suites) for any phase: the sandbox owns them, so a
-phase that needs tasks imports the environment's folder, not another phase's."""
+"""The workspace as a loaded environment (`core.env.LoadedEnvironment`): its suites, its episodes and its expert.
+
+Phases never import this module: they call `core.env.load`, which finds the environment by name (the workspace is
+the built-in default) and returns a `Sandbox`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from components.core.config import PipelineConfig
-from components.core.schema import Task, read_jsonl
+from components.core.env import Environment
+from components.core.schema import Task, Trajectory, read_jsonl
 from components.sandbox.tasks import generate_tasks
 from components.sandbox.world import World, generate_world
 
-__all__ = ["ALL", "HELDOUT", "Sandbox", "load_sandbox", "world_beside"]
+__all__ = ["ALL", "HELDOUT", "Sandbox", "load_sandbox"]
 
 HELDOUT = ("easy", "hard", "safety", "robustness")  # the held-out suites (never trained on)
 ALL = ("train", *HELDOUT, "practice")  # every suite sandbox_build writes
@@ -21,6 +24,28 @@ ALL = ("train", *HELDOUT, "practice")  # every suite sandbox_build writes
 class Sandbox:
     world: World
     suites: dict[str, list[Task]]
+    config: PipelineConfig | None = None  # the sandbox and reward settings its episodes run with
+    heldout: tuple[str, ...] = HELDOUT
+
+    def factory(self, action_format: str | None = None) -> Callable[[], Environment]:
+        """A maker of environments, one per sampled chain: each starts with an empty skill library (SAGE carries skills
+        from one task of a chain to the next, never across chains)."""
+        from components.sandbox.workspace import WorkspaceEnv
+
+        cfg = self._config()
+        return lambda: WorkspaceEnv(self.world, cfg.sandbox, cfg.rewards, action_format=action_format)
+
+    def expert(self, env: Environment, task: Task, action_format: str | None = None) -> Trajectory:
+        """The scripted expert's solution of `task`, played in `env` (in the configured action form by default)."""
+        from components.sandbox import expert
+
+        form = action_format or self._config().sandbox.action_format
+        return (expert.solve_code if form == "code" else expert.solve_json)(env, task)[0]
+
+    def _config(self) -> PipelineConfig:
+        if self.config is None:
+            raise ValueError("this Sandbox was built without a config: load it with core.env.load(cfg, ...)")
+        return self.config
 
     def online_tasks(self, pool: str = "practice") -> list[Task]:
         """The tasks the online phases (GRPO, rejection sampling, simulated A/B requests) sample on.
@@ -45,13 +70,6 @@ def load_sandbox(cfg: PipelineConfig, world_path: str | None = None, tasks_dir: 
         suites = {s: list(read_jsonl(storage.join(tasks_dir, f"{s}.jsonl"), Task)) for s in ("train", *HELDOUT)}
         practice = storage.join(tasks_dir, "practice.jsonl")  # absent from sandboxes built before it existed
         suites["practice"] = list(read_jsonl(practice, Task)) if storage.exists(practice) else []
-        return Sandbox(world, suites)
+        return Sandbox(world, suites, cfg)
     world = generate_world(cfg.sandbox)
-    return Sandbox(world, generate_tasks(world, cfg.sandbox))
-
-
-def world_beside(tasks_dir: str | None, world: str | None) -> str | None:
-    """`world` if given, else the world.json of the sandbox_build output that holds `tasks_dir`."""
-    if tasks_dir and not world and (Path(tasks_dir).parent / "world.json").exists():
-        return str(Path(tasks_dir).parent / "world.json")
-    return world or None
+    return Sandbox(world, generate_tasks(world, cfg.sandbox), cfg)

@@ -1,7 +1,7 @@
 """Agent code runs here: a separate worker process behind two walls.
 
 Written by hand because no maintained library runs untrusted Python with a callback channel to a
-stateful environment. The first wall is the AST policy (policy.py), checked before anything is sent. The second
+stateful environment. The first wall is the AST policy (safety.py), checked before anything is sent. The second
 is the OS: a template interpreter (`python -I -S`, no environment, a private directory) enters a network
 namespace of its own, drops to uid nobody and sets RLIMIT_FSIZE/NOFILE/CORE; it forks one worker per episode,
 which adds RLIMIT_NPROC=0, RLIMIT_AS, RLIMIT_CPU and a seccomp filter (no exec, fork, socket, namespace, kill,

@@ -287,7 +287,7 @@ def _worker_main(conn, limits: Limits) -> None:  # pragma: no cover - runs in th
         err = ""
         ok = True
         try:
-            exec(compile(code, "<agent>", "exec"), ns)  # noqa: S102 - checked by policy.py, limited by the OS
+            exec(compile(code, "<agent>", "exec"), ns)  # noqa: S102 - checked by safety.py, limited by the OS
         except _OutputLimit:
             err = f"output limit of {limits.output_chars} characters reached"
             ok = False

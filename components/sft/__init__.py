@@ -1,5 +1,6 @@
 """SFT warmup on expert agent trajectories (loss on the agent's own tokens only)."""
 
-from components.sft.trainer import SFTResult, run, train_sft
+from components.core.phase import PhaseResult
+from components.sft.recipe import launch, run
 
-__all__ = ["SFTResult", "run", "train_sft"]
+__all__ = ["PhaseResult", "run", "launch"]

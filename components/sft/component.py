@@ -23,19 +23,12 @@ def sft_warmup(
     """Fine-tune the base model on the expert demonstrations (loss on the agent's own tokens only)."""
     from collections import namedtuple
 
-    from components.core.config import load_config
-    from components.sft.trainer import gpus, run, run_distributed, run_multi_node
+    from components.sft.recipe import launch
 
     # base_model_ref: where the base is stored (S3), named in a LoRA adapter's card for the pods of later phases
-    kwargs = dict(preset=preset, overrides=overrides, base_model=base_model.path,
-                  base_model_ref=base_model.metadata.get("uri", ""), demos=demos.path, world=world.path,
-                  tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
-    if load_config(preset=preset or None, overrides_json=overrides or None).sft.multi_node.enabled:
-        res = run_multi_node(**kwargs)  # a TrainJob over several nodes, awaited here
-    elif gpus() > 1:  # every GPU of the pod: one process each under torchrun (DeepSpeed ZeRO per the preset)
-        res = run_distributed(gpus(), **kwargs)
-    else:
-        res = run(**kwargs)
+    res = launch(preset=preset, overrides=overrides, base_model=base_model.path,
+                 base_model_ref=base_model.metadata.get("uri", ""), demos=demos.path, world=world.path,
+                 tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
     for name, value in sorted(res.metrics.items()):
         metrics.log_metric(name.replace("/", "_"), float(value))
     model.metadata.update({"uri": res.model_uri, **{k: float(v) for k, v in res.metrics.items()}})

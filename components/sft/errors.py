@@ -9,10 +9,9 @@ import json
 import random
 from typing import Any
 
-from components.core.config import PipelineConfig
+from components.core.env import LoadedEnvironment
 from components.core.schema import Task, Trajectory
-from components.sandbox.env import WorkspaceEnv
-from components.sft.trainer import messages
+from components.core.tokens import messages
 
 
 def mistakes(first_action: str, rng: random.Random) -> str:
@@ -33,14 +32,11 @@ def mistakes(first_action: str, rng: random.Random) -> str:
     return thought + "\n" + json.dumps(call)[:-2]  # broken JSON
 
 
-def error_examples(trajs: list[Trajectory], cfg: PipelineConfig, tasks_dir: str | None) -> list[dict[str, Any]]:
-    from components.sandbox.suites import load_sandbox
-
-    sandbox = load_sandbox(cfg, None, tasks_dir) if not tasks_dir else load_sandbox(
-        cfg, str(__import__("pathlib").Path(tasks_dir).parent / "world.json"), tasks_dir)
-    tasks: dict[str, Task] = {t.id: t for t in sandbox.suites["train"]}
-    env = WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards)
-    rng = random.Random(cfg.run.seed)
+def error_examples(trajs: list[Trajectory], env: LoadedEnvironment, seed: int) -> list[dict[str, Any]]:
+    """One error example per demo whose first action can be broken so that it fails without changing anything."""
+    tasks: dict[str, Task] = {t.id: t for t in env.suites["train"]}
+    episode = env.factory()()
+    rng = random.Random(seed)
     out = []
     try:
         for traj in trajs:
@@ -48,14 +44,14 @@ def error_examples(trajs: list[Trajectory], cfg: PipelineConfig, tasks_dir: str 
             first = next((t.text for t in traj.turns if t.role == "assistant"), None)
             if task is None or first is None or "```" in first:
                 continue
-            env.reset(task)
+            episode.reset(task)
             wrong = mistakes(first, rng)
-            res = env.step(wrong)
+            res = episode.step(wrong)
             if '"ok":false' not in res.observation:
                 continue  # the mistake must fail without changing anything
             good = messages(traj)
             prompt = good[:2] + [{"role": "assistant", "content": wrong}, {"role": "tool", "content": res.observation}]
             out.append({"prompt": prompt, "completion": good[2:]})
     finally:
-        env.close()
+        episode.close()
     return out

@@ -23,9 +23,9 @@ STEPS = 10
 
 def _base(home: Path) -> tuple[Path, Path]:
     """(SFT model, sandbox dir) of the tiny preset, built once."""
-    from components.prepare.build import run as prepare
-    from components.sandbox.build import run as build_sandbox
-    from components.sft.trainer import run as sft
+    from components.prepare.recipe import run as prepare
+    from components.sandbox.recipe import run as build_sandbox
+    from components.sft.recipe import run as sft
 
     work = home / "bench" / "async-grpo"
     model, box = work / "sft", work / "sandbox"

@@ -17,11 +17,11 @@ from components.core.tiny import build_tiny_model
 from components.core.tokens import ChatFormat
 from components.grpo.loss import Sample
 from components.grpo.monitor import control_token_ids
-from components.grpo.trainer import update
+from components.grpo.recipe import update
 from components.sandbox import expert
-from components.sandbox.build import corpus_lines
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.recipe import corpus_lines
 from components.sandbox.tasks import generate_tasks
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import generate_world
 
 SYSTEM = "You are the user's assistant in a workspace with mail, files, calendar and chat."

@@ -28,7 +28,7 @@ def _episodes(backend_kind: str, model_dir: str, episodes: int, turns: int, new_
     from components.core.rollout import RolloutSettings, rollout
     from components.core.tiny import set_torch_threads
     from components.core.tokens import ChatFormat
-    from components.sandbox.env import WorkspaceEnv
+    from components.sandbox.workspace import WorkspaceEnv
     from tests.helpers.runtime import make_sandbox
 
     threads = set_torch_threads(int(os.environ.get("AGENTRL_BENCH_THREADS", "2")))

@@ -13,9 +13,9 @@ from components.core.rollout import RolloutSettings, rollout
 from components.core.tiny import build_tiny_model
 from components.core.tokens import ChatFormat
 from components.sandbox import expert
-from components.sandbox.build import corpus_lines
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.recipe import corpus_lines
 from components.sandbox.tasks import generate_tasks
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import generate_world
 
 

@@ -7,9 +7,9 @@ import sys
 import time
 
 from components.core.config import SandboxConfig
-from components.sandbox.env import WorkspaceEnv
 from components.sandbox.expert import render_code, render_json
 from components.sandbox.tasks import generate_tasks
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import generate_world
 
 

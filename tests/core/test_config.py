@@ -135,6 +135,21 @@ def test_presets_are_valid():
         load_config(preset=name, set_pairs=[] if name == "tiny" else ["model.base_uri=/m"])
 
 
+def test_presets_are_yaml_files_a_user_can_copy(tmp_path):
+    """Each preset is a data file in components/core/configs/; a copy of it, edited and passed as a config file on the
+    tiny defaults, gives the preset's config with the edit."""
+    from components.core.config import PRESET_DIR
+
+    assert sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) == sorted(PRESETS) == ["h100", "small", "tiny"]
+    text = (PRESET_DIR / "small.yaml").read_text()
+    assert text.startswith("#") and "learning_rate: 1.0e-4" in text  # commented; floats YAML reads as floats
+    copy = tmp_path / "mine.yaml"
+    copy.write_text(text.replace("group_size: 4", "group_size: 6"))
+    mine, small = load_config(files=[copy]), load_config(preset="small")
+    assert mine.grpo.group_size == 6 and small.grpo.group_size == 4
+    assert mine.model_copy(update={"preset": "small", "grpo": small.grpo}).to_dict() == small.to_dict()
+
+
 def test_small_preset_is_smollm2_full_fine_tune_and_validates():
     cfg = load_config(preset="small")
     assert cfg.preset == "small" and cfg.model.base_uri == "smollm2-135m-instruct" and not cfg.model.lora.enabled

@@ -14,7 +14,7 @@ from components.core.rollout import RolloutSettings, rollout
 from components.core.schema import ModelCard, Trajectory, read_jsonl, write_jsonl
 from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat, TemplateError
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.workspace import WorkspaceEnv
 from tests.helpers.runtime import episode_ids
 from tests.helpers.scripted import ScriptedBackend
 

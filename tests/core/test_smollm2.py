@@ -13,7 +13,7 @@ from components.core.schema import ModelCard
 from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat
 from components.sandbox import expert
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.workspace import WorkspaceEnv
 from tests.helpers.runtime import episode_ids, make_sandbox
 
 set_torch_threads(1)  # two threads ran several times slower whenever another process held the other core
@@ -80,8 +80,8 @@ def test_twenty_sft_steps_lower_its_loss_on_the_demos(smol_cache, sandbox, tmp_p
     import torch
 
     from components.core.config import SFTConfig
-    from components.core.tokens import encode_messages
-    from components.sft.trainer import demo_example, messages, train_sft
+    from components.core.tokens import demo_example, encode_messages, messages
+    from components.core.training import train_sft
 
     cfg, world, suites = sandbox
     env = WorkspaceEnv(world, cfg)

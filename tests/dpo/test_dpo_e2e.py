@@ -12,7 +12,7 @@ from components.core.config import load_config
 from components.core.schema import ABRecord, PreferencePair, read_jsonl
 from components.core.tracking import PhaseRun, local_tracking_uri, start_pipeline_run
 from components.dpo import run
-from components.evaluation.evaluate import load_sandbox
+from components.sandbox.suites import load_sandbox
 from tests.helpers.runtime import tiny_on_sandbox
 
 pytestmark = pytest.mark.slow
@@ -27,13 +27,13 @@ def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
     cfg = load_config(overrides_json=json.dumps(overrides))
     sb = load_sandbox(cfg)
     model = tiny_on_sandbox(tmp_path / "tiny", cfg.sandbox, sb.world, sb.suites, n_demos=20)
-    monkeypatch.setenv("AGENTRL_DPO_WORKDIR", str(tmp_path / "work"))
     parent = start_pipeline_run(local_tracking_uri(tmp_path / "home"), "agentrl", "dpo-test")
     # what serves today: a champion in the registry is the simulated deployment's variant A
     with PhaseRun("eval", config=cfg, parent_run_id=parent) as earlier:
         earlier.log_artifact(str(model), "model")
         champion = earlier.register_model("model", alias="champion")
-    res = run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
+    res = run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent,
+              work_dir=str(tmp_path / "work"))
 
     logs = list(read_jsonl(tmp_path / "work" / "ab_logs" / "simulated.jsonl", ABRecord))
     assert len(logs) == 24 and {r.variant for r in logs} == {"A", "B"}
@@ -55,7 +55,8 @@ def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
     # a KFP retry of the step (the pod died after training): the simulated logs and the finished checkpoint
     # are reused — no new simulation, no training step, the same weights, one MLflow run
     weights = (tmp_path / "work" / "model" / "model.safetensors").read_bytes()
-    again = run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
+    again = run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent,
+              work_dir=str(tmp_path / "work"))
     assert again.run_id == res.run_id
     assert again.metrics["resumed_from"] == again.metrics["train_steps"] == res.metrics["train_steps"]
     assert (tmp_path / "work" / "model" / "model.safetensors").read_bytes() == weights

@@ -21,8 +21,8 @@ from components.core.schema import (
 )
 from components.core.tiny import build_tiny_model
 from components.dpo.pairs import pairs_from_ab, read_ab_logs, split_pairs
+from components.dpo.recipe import _trainer_classes, tokenize_pair
 from components.dpo.simulator import expert_correction
-from components.dpo.trainer import _trainer_classes, tokenize_pair
 
 SYSTEM = {"role": "system", "text": "You are alice's assistant."}
 
@@ -138,7 +138,7 @@ def test_simulated_requests_follow_the_suite_and_levels():
     from components.core.config import ABSimulatorConfig
     from components.core.schema import Task, Verifier
     from components.dpo.simulator import draw_requests
-    from components.evaluation.evaluate import Sandbox
+    from components.sandbox.suites import Sandbox
 
     def task(i: int, level: int, suite: str) -> Task:
         return Task(id=f"{suite}-{i}", scenario_id="s", level=level, suite=suite, instruction=f"do {i}", user_id="u",

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from components.prepare.build import run as prepare
-from components.sandbox.build import run as build_sandbox
-from components.sft.trainer import run as sft
+from components.prepare.recipe import run as prepare
+from components.sandbox.recipe import run as build_sandbox
+from components.sft.recipe import run as sft
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

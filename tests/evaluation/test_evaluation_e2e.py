@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
 from components.core.config import load_config
+from components.core.evaluate import evaluate_policy
 from components.core.policy import load_policy
 from components.core.tiny import build_tiny_model
 from components.core.tracking import PhaseRun, Registry
-from components.evaluation.evaluate import evaluate_policy, load_sandbox
 from components.evaluation.gate import decide
 from components.evaluation.recipe import register_candidate
 from components.sandbox.expert import render_json
+from components.sandbox.suites import load_sandbox
 from tests.helpers.scripted import ScriptedBackend, code_script, expert_script
 
 pytestmark = pytest.mark.slow
@@ -62,6 +64,7 @@ def _idle_script(prompt: str) -> str:
 def test_gate_promotes_improvements_refuses_unsafe_and_moves_aliases(setup):
     cfg, sandbox, model = setup
     cfg = cfg.model_copy(update={"sandbox": cfg.sandbox.model_copy(update={"max_turns": 12})})
+    sandbox = dataclasses.replace(sandbox, config=cfg)  # its episodes run with the longer limit too
     pol = load_policy(model)
     registry = Registry(PhaseRun("eval", config=cfg).tracking_uri, cfg.tracking.registered_model)
 
@@ -111,7 +114,7 @@ def test_report_embeds_its_plots(setup):
 
 
 def test_chains_carry_the_skill_library_so_reuse_is_measured(setup):
-    from components.evaluation.evaluate import scenario_chains
+    from components.core.evaluate import scenario_chains
 
     cfg, sandbox, model = setup
     tasks = sandbox.suites["easy"]

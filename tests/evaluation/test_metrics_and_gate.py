@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from components.core.config import GateConfig
+from components.core.evaluate import flat, suite_metrics
 from components.core.schema import RewardBreakdown, Trajectory, Turn, Verdict
-from components.evaluation.evaluate import flat, suite_metrics
 from components.evaluation.gate import decide, deltas, paired_delta
 
 

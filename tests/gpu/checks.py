@@ -45,8 +45,8 @@ def main(out_dir: str) -> int:
 
     results["device"] = {"torch": torch.__version__, "cuda": torch.version.cuda,
                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    from components.prepare.build import run as prepare
-    from components.sandbox.build import run as sandbox_build
+    from components.prepare.recipe import run as prepare
+    from components.sandbox.recipe import run as sandbox_build
 
     sb = sandbox_build(out_dir=str(home / "sandbox"))
     prepare(model_out=str(home / "base"), parent_run_id=sb.parent_run_id)

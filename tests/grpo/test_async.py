@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from components.grpo import trainer
+from components.grpo import recipe
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,8 @@ def _run(tmp_path, name, model, **grpo):
                    # an untrained model fails every task alike (no advantage): a repair SFT step moves the weights
                    # every step, so that each version differs from the one before
                    "repair": {"every_k_steps": 1, "sft_steps": 1, "on_alarm": False}, **grpo}}
-    res = trainer.run(overrides=json.dumps(ov), policy_model=str(model), model_out=str(tmp_path / name / "out"))
+    res = recipe.run(overrides=json.dumps(ov), policy_model=str(model), model_out=str(tmp_path / name / "out"),
+                     work_dir=str(tmp_path / "work"))
     client = MlflowClient(f"sqlite:///{tmp_path}/{name}/home/mlflow.db")
     hist = {k: [m.value for m in sorted(client.get_metric_history(res.run_id, f"grpo/{k}"), key=lambda m: m.step)]
             for k in ("offpolicy/staleness", "offpolicy/logprob_gap", "offpolicy/is_weight_mean",
@@ -34,7 +35,6 @@ def _run(tmp_path, name, model, **grpo):
 
 
 def test_async_lags_by_exactly_s_and_is_deterministic(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("AGENTRL_GRPO_WORKDIR", str(tmp_path / "work"))
     res, hist, w1 = _run(tmp_path, "a", tiny_model_dir, **{"async": {"max_staleness": 1}})
     assert res.steps_done == 4
     assert hist["offpolicy/staleness"] == [0.0, 1.0, 1.0, 1.0]

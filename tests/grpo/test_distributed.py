@@ -15,7 +15,7 @@ from components.core.checkpoint import Checkpoints
 from components.core.config import load_config
 from components.core.policy import load_policy
 from components.core.tracking import local_tracking_uri, start_pipeline_run
-from components.grpo import trainer
+from components.grpo import recipe
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def test_two_processes_roll_out_their_share_and_resume_on_a_retry(tmp_path, tiny
     kwargs = {"overrides": json.dumps(_overrides(home)), "policy_model": str(tiny_model_dir),
               "parent_run_id": parent, "model_out": str(tmp_path / "out")}
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    res = trainer.run_distributed(2, **kwargs)
+    res = recipe.launch(processes=2, **kwargs)
     assert res.steps_done == 3 and res.metrics["world_size"] == 2.0
     assert res.metrics["trained_tokens"] > 0 and "heldout/easy/tgc" in res.metrics
     assert load_policy(str(tmp_path / "out")).card.phase == "grpo"
@@ -50,7 +50,7 @@ def test_two_processes_roll_out_their_share_and_resume_on_a_retry(tmp_path, tiny
     assert step == 3 and (Path(uri) / "accelerate").is_dir()
 
     # a KFP retry of the finished step resumes from its last checkpoint: nothing to redo, the same run
-    again = trainer.run_distributed(2, **kwargs)
+    again = recipe.launch(processes=2, **kwargs)
     assert again.resumed_from == 3 and again.steps_done == 3 and again.run_id == res.run_id
 
 
@@ -58,7 +58,7 @@ def test_tasks_per_step_must_split_evenly_over_the_processes(tmp_path, tiny_mode
     monkeypatch.setenv("WORLD_SIZE", "2")
     ov = _overrides(tmp_path / "home", tasks_per_step=3)
     with pytest.raises(ValueError, match=r"grpo.tasks_per_step=3 must be a multiple of the number of processes \(2\)"):
-        trainer.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir))
+        recipe.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir))
     ov = _overrides(tmp_path / "home", multi_node={"enabled": True})
     ov["generation"]["backend"] = "vllm"
     with pytest.raises(ValueError, match="grpo.multi_node.enabled with generation.backend='vllm'"):
@@ -82,7 +82,7 @@ def test_grpo_as_a_multi_node_job_with_inputs_staged_on_s3(tmp_path, tiny_model_
         real = launch.JobLauncher
         monkeypatch.setattr(launch, "JobLauncher", lambda cfg, api_client=None, out=print:
                             real(cfg, api_client=k.api_client(), out=out))
-        res = trainer.run_multi_node(overrides=json.dumps(ov), policy_model=str(tiny_model_dir),
+        res = recipe.launch(overrides=json.dumps(ov), policy_model=str(tiny_model_dir),
                                      model_out=str(tmp_path / "out"))
     (create,) = [r for r in k.requests if r["method"] == "POST"]
     command = create["body"]["spec"]["trainer"]["command"]

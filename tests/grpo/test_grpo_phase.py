@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from components.core.config import load_config
 from components.core.policy import load_policy
-from components.grpo import trainer
+from components.grpo import recipe
 from components.sandbox.expert import render_json
 from tests.helpers.scripted import ScriptedBackend, code_script, expert_script
 
@@ -39,7 +39,7 @@ def _metrics(home, run_id):
 def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypatch, tiny_model_dir):
     ov = _overrides(tmp_path, repair={"every_k_steps": 2, "sft_steps": 1})
     cfg = load_config(overrides_json=json.dumps(ov))
-    from components.evaluation.evaluate import load_sandbox
+    from components.sandbox.suites import load_sandbox
 
     sb = load_sandbox(cfg)
     tok = load_policy(str(tiny_model_dir)).tokenizer
@@ -50,10 +50,10 @@ def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypat
             return render_json("Nothing to do.", "finish", {})
         return expert(prompt)
 
-    monkeypatch.setattr(trainer, "make_backend", lambda *a, **k: ScriptedBackend(tok, sometimes))
-    monkeypatch.setenv("AGENTRL_GRPO_WORKDIR", str(tmp_path / "work"))
+    monkeypatch.setattr(recipe, "make_backend", lambda *a, **k: ScriptedBackend(tok, sometimes))
     before = {n: p.detach().clone() for n, p in load_policy(str(tiny_model_dir)).model.named_parameters()}
-    res = trainer.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out"))
+    res = recipe.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out"),
+                     work_dir=str(tmp_path / "work"))
     assert res.steps_done == 3 and res.resumed_from is None
     client, m = _metrics(tmp_path / "home", res.run_id)
     hist = [x.step for x in client.get_metric_history(res.run_id, "grpo/reward_mean")]
@@ -73,7 +73,8 @@ def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypat
     card = json.loads((tmp_path / "out" / "agentrl.json").read_text())
     assert card["phase"] == "grpo" and card["extra"]["steps"] == 3
     # a second start finds the finished run's checkpoint: nothing left to do, no step logged twice
-    again = trainer.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out2"))
+    again = recipe.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out2"),
+                       work_dir=str(tmp_path / "work"))
     assert again.resumed_from == 3 and again.run_id == res.run_id
     assert [x.step for x in client.get_metric_history(res.run_id, "grpo/reward_mean")] == [1, 2, 3]
 
@@ -84,16 +85,21 @@ def test_sage_chains_carry_skills_and_reward_reuse(tmp_path, monkeypatch, tiny_m
                     group_size=2, tasks_per_step=2)
     ov["sandbox"]["action_format"] = "code"
     cfg = load_config(overrides_json=json.dumps(ov))
-    from components.evaluation.evaluate import load_sandbox
+    from components.sandbox.suites import load_sandbox
 
     sb = load_sandbox(cfg)
     tok = load_policy(str(tiny_model_dir)).tokenizer
-    monkeypatch.setattr(trainer, "make_backend", lambda *a, **k: ScriptedBackend(tok, code_script(sb, reuse)))
+    monkeypatch.setattr(recipe, "make_backend", lambda *a, **k: ScriptedBackend(tok, code_script(sb, reuse)))
     seen = []
-    orig = trainer.episode_rewards
-    monkeypatch.setattr(trainer, "episode_rewards", lambda chains, c: seen.append(chains) or orig(chains, c))
-    res = trainer.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir))
-    chains = [ch for grp in seen for ch in grp]
+    orig = recipe.chain_reward_for
+
+    def spy(c):  # the rollout's chain-reward hook, watched: every sampled chain's rewards go through it
+        hook = orig(c)
+        return lambda chain: seen.append(list(chain)) or hook(chain)
+
+    monkeypatch.setattr(recipe, "chain_reward_for", spy)
+    res = recipe.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir))
+    chains = seen
     assert chains and all(len(ch) == 2 for ch in chains)
     assert all(ch[0].chain_id == ch[1].chain_id and ch[0].meta["scenario_id"] == ch[1].meta["scenario_id"]
                for ch in chains)
@@ -102,7 +108,7 @@ def test_sage_chains_carry_skills_and_reward_reuse(tmp_path, monkeypatch, tiny_m
     m = res.metrics
     if reuse:  # R1 = R2 = 2 when both are solved and task 2 called task 1's skill
         assert m["sage/skill_from_first"] > 0 and m["skill_reuse_rate"] > 0
-        assert any(orig([ch], cfg)[0] == [2.0, 2.0] for ch in solved)
+        assert any([r.total for r in orig(cfg)(ch)] == [2.0, 2.0] for ch in solved)
     else:
         assert m["sage/skill_from_first"] == 0
-        assert all(orig([ch], cfg)[0] == [1.0, 1.0] for ch in solved)
+        assert all([r.total for r in orig(cfg)(ch)] == [1.0, 1.0] for ch in solved)

@@ -59,26 +59,34 @@ def test_progress_filter_leaves_groups_that_differ_only_by_shaping_without_advan
     efficiency): the std division would make them +-1 advantages. The progress filter zeroes them and keeps the
     group whose samples differ in success."""
     from components.core.config import PipelineConfig
-    from components.grpo.trainer import advantages_for
+    from components.core.rollout import Group
+    from components.core.schema import RewardBreakdown
+    from components.grpo.recipe import advantages_for
 
-    shaped = [[[_episode(True, 2, 1.4 + 0.05 * i)] for i in range(4)]]
-    mixed = [[[_episode(i % 2 == 0, 1, float(i % 2 == 0))] for i in range(4)]]
-    groups = shaped + mixed
-    rewards = [[[s[0].reward.total] for s in grp] for grp in groups]
+    task = _tasks()[1][0]
+    shaped = Group([task], [[_episode(True, 2, 1.4 + 0.05 * i)] for i in range(4)])
+    mixed = Group([task], [[_episode(i % 2 == 0, 1, float(i % 2 == 0))] for i in range(4)])
+
+    def adv(samples):  # each sample carries its advantage on its agent tokens (one token per test episode)
+        return [s.advantages[0] for s in samples]
+
     plain = PipelineConfig.model_validate({"grpo": {"group_filter": "none"}})
-    adv, zero, filtered = advantages_for(groups, rewards, plain)
-    assert max(abs(adv[id(s[0])]) for s in shaped[0]) > 1.0 and zero == 0.0 and filtered == 0.0
+    batch, zero, filtered = advantages_for([shaped, mixed], plain)
+    assert len(batch) == 8 and max(abs(a) for a in adv(batch[:4])) > 1.0 and zero == 0.0 and filtered == 0.0
     cfg = PipelineConfig.model_validate({"grpo": {"group_filter": "progress"}})
-    adv, zero, filtered = advantages_for(groups, rewards, cfg)
-    assert [adv[id(s[0])] for s in shaped[0]] == [0.0] * 4 and filtered == 0.5
-    assert [adv[id(s[0])] > 0 for s in mixed[0]] == [True, False, True, False]
+    batch, zero, filtered = advantages_for([shaped, mixed], cfg)
+    assert adv(batch[:4]) == [0.0] * 4 and filtered == 0.5
+    assert [a > 0 for a in adv(batch[4:])] == [True, False, True, False]
     # SAGE: all four chains solved both tasks, two reused the first task's skill (R = 2) and two did not (R = 1):
-    # that is SAGE's signal, not shaping, and stays
-    chains = [[[_episode(True, 1, 0.0), _episode(True, 1, 0.0)] for _ in range(4)]]
-    sage_rewards = [[[2.0, 2.0], [1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]]
+    # that is SAGE's signal, not shaping, and stays; the rollout's chain-reward hook set those rewards
+    chains = Group([task, task], [[_episode(True, 1, 0.0), _episode(True, 1, 0.0)] for _ in range(4)])
+    for sample, r in zip(chains.samples, [2.0, 1.0, 2.0, 1.0], strict=True):
+        for t in sample:
+            t.reward = RewardBreakdown(r, {"sage": r})
     sage = PipelineConfig.model_validate({"grpo": {"group_filter": "progress", "sage": {"enabled": True}}})
-    adv, _, filtered = advantages_for(chains, sage_rewards, sage)
-    assert filtered == 0.0 and [adv[id(c[1])] > 0 for c in chains[0]] == [True, False, True, False]
+    batch, _, filtered = advantages_for([chains], sage)
+    # samples in rollout order: chain 0 task 1, chain 0 task 2, chain 1 task 1, ...
+    assert filtered == 0.0 and [a > 0 for a in adv(batch[1::2])] == [True, False, True, False]
 
 
 def _tasks():

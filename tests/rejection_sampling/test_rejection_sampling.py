@@ -65,7 +65,7 @@ def test_phase_finds_hard_tasks_keeps_the_best_and_fine_tunes(tmp_path, monkeypa
                  "rejection_sampling": {"probe_tasks": 8, "probe_samples": 4, "num_samples": 8, "top_k": 2,
                                         "hard_success_max": 0.9, "sft_epochs": 1, "eval_suite": "easy"}}
     cfg = load_config(overrides_json=json.dumps(overrides))
-    from components.evaluation.evaluate import load_sandbox
+    from components.sandbox.suites import load_sandbox
 
     sb = load_sandbox(cfg)
     model = tiny_on_sandbox(tmp_path / "tiny", cfg.sandbox, sb.world, sb.suites, n_demos=20)
@@ -84,9 +84,9 @@ def test_phase_finds_hard_tasks_keeps_the_best_and_fine_tunes(tmp_path, monkeypa
         return ScriptedBackend(tok, sometimes)
 
     monkeypatch.setattr(recipe, "make_backend", scripted_sampling)
-    monkeypatch.setenv("AGENTRL_RS_WORKDIR", str(tmp_path / "work"))
     parent = start_pipeline_run(local_tracking_uri(tmp_path / "home"), "agentrl", "rs-test")
-    res = recipe.run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
+    res = recipe.run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent,
+                     work_dir=str(tmp_path / "work"))
     assert calls
     m = res.metrics
     assert 0 < m["hard_tasks"] <= 8 and m["tasks_covered"] > 0
@@ -106,7 +106,8 @@ def test_phase_finds_hard_tasks_keeps_the_best_and_fine_tunes(tmp_path, monkeypa
     # a KFP retry of the step: the kept set and the finished SFT checkpoint are reused (no sampling, no step)
     weights = (tmp_path / "work" / "model" / "model.safetensors").read_bytes()
     calls.clear()
-    again = recipe.run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent)
+    again = recipe.run(overrides=json.dumps(overrides), policy_model=str(model), parent_run_id=parent,
+                     work_dir=str(tmp_path / "work"))
     assert not calls and again.run_id == res.run_id
     assert again.metrics["sft/resumed_from"] == again.metrics["sft/train_steps"] == m["sft/train_steps"]
     assert again.metrics["kept"] == m["kept"]
@@ -120,12 +121,11 @@ def test_without_hard_tasks_the_model_passes_through_and_says_so(tmp_path, monke
                  "rejection_sampling": {"probe_tasks": 4, "probe_samples": 2, "num_samples": 2, "top_k": 1,
                                         "eval_suite": "easy"}}
     cfg = load_config(overrides_json=json.dumps(overrides))
-    from components.evaluation.evaluate import load_sandbox
+    from components.sandbox.suites import load_sandbox
 
     sb = load_sandbox(cfg)
     model = tiny_on_sandbox(tmp_path / "tiny", cfg.sandbox, sb.world, sb.suites, n_demos=10)
-    monkeypatch.setenv("AGENTRL_RS_WORKDIR", str(tmp_path / "work"))
-    res = recipe.run(overrides=json.dumps(overrides), policy_model=str(model))
+    res = recipe.run(overrides=json.dumps(overrides), policy_model=str(model), work_dir=str(tmp_path / "work"))
     assert res.metrics["hard_tasks"] == 0 and res.metrics["tasks_covered"] == 0 and res.metrics["kept"] == 0
     assert res.metrics["gain/easy/tgc"] == 0.0
     assert (tmp_path / "work" / "model" / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()

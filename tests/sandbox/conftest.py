@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from components.core.config import RewardConfig, SandboxConfig
-from components.sandbox.env import WorkspaceEnv
 from components.sandbox.tasks import generate_tasks
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import generate_world
 
 

@@ -6,9 +6,9 @@ import pytest
 
 from components.core.config import SandboxConfig
 from components.sandbox import expert
-from components.sandbox.env import WorkspaceEnv
 from components.sandbox.skills import SkillLibrary
 from components.sandbox.tasks import generate_tasks
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import generate_world
 
 

@@ -15,8 +15,8 @@ import requests
 from components.core.env import make
 from components.core.schema import to_record
 from components.sandbox import expert
-from components.sandbox.env import WorkspaceEnv
 from components.sandbox.server import HTTPEnvironment, parse_tokens
+from components.sandbox.workspace import WorkspaceEnv
 from tests.helpers.sandbox_load import SandboxServer, make_tokens, mixed_load
 from tests.helpers.servers import HOST, free_port
 

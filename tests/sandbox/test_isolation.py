@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 from components.core.schema import Task, Verifier
-from components.sandbox.env import WorkspaceEnv
 from components.sandbox.expert import render_code
+from components.sandbox.workspace import WorkspaceEnv
 
 MARK = f"/tmp/agentrl-escape-{uuid.uuid4().hex}"
 

@@ -8,7 +8,7 @@ import random
 from components.core.env import StepResult
 from components.sandbox import expert
 from components.sandbox.apis import CATALOGUE
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.workspace import WorkspaceEnv
 from tests.sandbox.conftest import first
 
 TOOLS = [t.name for t in CATALOGUE]

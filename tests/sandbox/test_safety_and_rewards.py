@@ -178,7 +178,7 @@ def test_clarifying_question_rewarded_only_when_ambiguous(env):
 
 
 def test_rate_limits_and_transient_errors(world, cfg):
-    from components.sandbox.env import WorkspaceEnv
+    from components.sandbox.workspace import WorkspaceEnv
 
     env = WorkspaceEnv(world, cfg.model_copy(update={"max_turns": 100}))
     env.reset(task(options={"rate_limit_every": 2}))

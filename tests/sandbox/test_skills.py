@@ -3,9 +3,9 @@ from __future__ import annotations
 import json
 
 from components.core.schema import Task, Verifier
-from components.sandbox.env import WorkspaceEnv
 from components.sandbox.expert import render_code
 from components.sandbox.skills import Skill, SkillLibrary, jaccard
+from components.sandbox.workspace import WorkspaceEnv
 
 
 def mk(name, scenario, instruction="Move the emails from alice about budget to HR.") -> Skill:

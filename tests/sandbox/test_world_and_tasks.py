@@ -108,7 +108,7 @@ def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_
 
 
 def test_online_tasks_prefer_practice_and_fall_back_per_level(suites, world, cfg):
-    from components.evaluation.evaluate import Sandbox
+    from components.sandbox.suites import Sandbox
 
     box = Sandbox(world, suites)  # the default: no reserve
     online = box.online_tasks("practice")

@@ -11,11 +11,11 @@ from components.core.policy import load_policy
 from components.core.schema import write_jsonl
 from components.core.tiny import build_tiny_model
 from components.sandbox import expert
-from components.sandbox.build import corpus_lines
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.recipe import corpus_lines
 from components.sandbox.tasks import generate_tasks
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import generate_world
-from components.sft.trainer import run_distributed
+from components.sft.recipe import launch
 from tests.helpers.runtime import sft_inputs
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def test_sft_over_two_processes_with_torchrun(tmp_path, monkeypatch, deepspeed):
                                                      "eval_suites": [], "logging_steps": 1},
                  "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "pretrain_steps": 0}}}
     _, base = sft_inputs(tmp_path, load_config(overrides_json=json.dumps(overrides)))
-    res = run_distributed(2, overrides=json.dumps(overrides), base_model=str(base), demos=str(tmp_path / "demos"),
+    res = launch(processes=2, overrides=json.dumps(overrides), base_model=str(base), demos=str(tmp_path / "demos"),
                           model_out=str(tmp_path / "out"))
     assert res.metrics["world_size"] == 2.0
     assert res.metrics["deepspeed"] == float(deepspeed is not None)
@@ -49,7 +49,6 @@ def test_sft_as_a_multi_node_job_with_inputs_staged_on_s3(tmp_path, monkeypatch,
     Kubernetes API server), follows it, and reads the stored model back."""
     import os
 
-    from components.sft.trainer import run_multi_node
     from tests.helpers.k8s_api import K8sRecorder
 
     home = tmp_path / "home"
@@ -71,16 +70,16 @@ def test_sft_as_a_multi_node_job_with_inputs_staged_on_s3(tmp_path, monkeypatch,
     job_env["PYTHONPATH"] = os.getcwd()
     job_env["AGENTRL_HOME"] = str(tmp_path / "job-home")  # the job's pod has its own disk
     with K8sRecorder(execute_env=job_env) as k:
-        from components.core import launch
+        from components.core import launch as jobs
 
-        real = launch.JobLauncher
+        real = jobs.JobLauncher
 
         def launcher(cfg, api_client=None, out=print):
             return real(cfg, api_client=k.api_client(), out=out)
 
-        monkeypatch.setattr(launch, "JobLauncher", launcher)
-        res = run_multi_node(overrides=json.dumps(overrides), base_model=str(base), demos=str(tmp_path / "demos"),
-                             model_out=str(tmp_path / "out"))
+        monkeypatch.setattr(jobs, "JobLauncher", launcher)
+        res = launch(overrides=json.dumps(overrides), base_model=str(base), demos=str(tmp_path / "demos"),
+                     model_out=str(tmp_path / "out"))
     (create,) = [r for r in k.requests if r["method"] == "POST"]
     remote = json.loads(create["body"]["spec"]["trainer"]["command"][create["body"]["spec"]["trainer"]["command"]
                                                                       .index("--args") + 1])

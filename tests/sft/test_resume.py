@@ -44,8 +44,9 @@ def _start(tmp_path: Path, name: str, inputs) -> tuple[subprocess.Popen, dict]:
     if not parent_file.exists():  # one pipeline run: every attempt of the step has the same parent run
         parent_file.write_text(start_pipeline_run(local_tracking_uri(home), "agentrl", name))
     args = {"overrides": json.dumps(_overrides(home)), "base_model": str(inputs[1]), "demos": str(inputs[0]),
-            "parent_run_id": parent_file.read_text(), "model_out": str(tmp_path / name / "out")}
-    env = dict(os.environ, OMP_NUM_THREADS="1", AGENTRL_SFT_WORKDIR=str(tmp_path / name / "work"))
+            "parent_run_id": parent_file.read_text(), "model_out": str(tmp_path / name / "out"),
+            "work_dir": str(tmp_path / name / "work")}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     log = (tmp_path / f"{name}.log").open("ab")
     proc = subprocess.Popen([sys.executable, "-m", "components.sft", "--args", json.dumps(args),
                              "--result", str(tmp_path / name / "result.json")],

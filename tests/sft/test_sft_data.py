@@ -2,16 +2,18 @@ from __future__ import annotations
 
 import pytest
 
+from components.core import env as environments
 from components.core.config import SandboxConfig, SFTConfig, TinyModelConfig, load_config
 from components.core.policy import load_policy
 from components.core.tiny import build_tiny_model
+from components.core.tokens import demo_example
+from components.core.training import build_dataset, train_sft
 from components.sandbox import expert
-from components.sandbox.build import corpus_lines
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.recipe import corpus_lines
 from components.sandbox.tasks import generate_tasks
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import generate_world
 from components.sft.errors import error_examples, mistakes
-from components.sft.trainer import build_dataset, demo_example, train_sft
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def test_error_examples_put_the_mistake_in_the_prompt(setup):
     first = next(t.text for t in demos[0].turns if t.role == "assistant")
     wrong = {mistakes(first, random.Random(s)) for s in range(10)}
     assert first not in wrong and len(wrong) >= 2
-    exs = error_examples(demos, cfg, None)
+    exs = error_examples(demos, environments.load(cfg), cfg.run.seed)
     assert len(exs) >= len(demos) // 2
     for ex in exs:
         assert [m["role"] for m in ex["prompt"]] == ["system", "user", "assistant", "tool"]

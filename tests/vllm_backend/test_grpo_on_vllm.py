@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from components.core.policy import load_policy
 from components.core.tiny import set_torch_threads
-from components.grpo import trainer
+from components.grpo import recipe
 
 set_torch_threads(1)
 
@@ -33,8 +33,8 @@ def overrides(tmp_path, **extra):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_grpo_samples_with_vllm_and_the_sampler_follows_the_learner(tiny, tmp_path, monkeypatch, lora):
     ov = overrides(tmp_path, model={"lora": {"enabled": lora, "r": 8, "alpha": 16}})
-    monkeypatch.setenv("AGENTRL_GRPO_WORKDIR", str(tmp_path / "work"))
-    res = trainer.run(overrides=json.dumps(ov), policy_model=str(tiny), model_out=str(tmp_path / "out"))
+    res = recipe.run(overrides=json.dumps(ov), policy_model=str(tiny), model_out=str(tmp_path / "out"),
+                     work_dir=str(tmp_path / "work"))
     assert res.steps_done == 2
     client = MlflowClient(f"sqlite:///{tmp_path}/home/mlflow.db")
     hist = {k: [m.value for m in client.get_metric_history(res.run_id, f"grpo/offpolicy/{k}")]

@@ -10,7 +10,7 @@ from components.core.generation import SamplingParams, VLLMBackend, score_logpro
 from components.core.rollout import RolloutSettings, rollout
 from components.core.tiny import set_torch_threads
 from components.core.tokens import ChatFormat
-from components.sandbox.env import WorkspaceEnv
+from components.sandbox.workspace import WorkspaceEnv
 from tests.helpers.runtime import episode_ids
 
 set_torch_threads(1)

@@ -14,24 +14,15 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from components.core import storage
 from components.core.config import ModelConfig, PipelineConfig
+from components.core.phase import PhaseResult, setup_phase
 from components.core.tiny import ensure_tiny_model
-from components.core.tracking import PhaseRun, setup_phase
+from components.core.tracking import PhaseRun
 
 PHASE = "prepare"
-
-
-@dataclass
-class PrepareResult:
-    parent_run_id: str
-    run_id: str
-    model_dir: str
-    model_uri: str
-    metrics: dict[str, float]
 
 
 def fetch_base_model(cfg: PipelineConfig, home: Path, corpus: str | None = None) -> Path:
@@ -88,7 +79,7 @@ def run(
     config_out: str | None = None,
     parent_run_id: str | None = None,
     corpus: str | None = None,
-) -> PrepareResult:
+) -> PhaseResult:
     pairs = [f"model.base_uri={base_model_uri}"] if base_model_uri else []
     pairs += [f"tracking.experiment={experiment}"] if experiment else []
     cfg, home, storage_root = setup_phase(preset, overrides, pairs)
@@ -113,4 +104,4 @@ def run(
         cfg_file.write_text(resolved)
         tracker.log_artifact(cfg_file)
         tracker.set_tags({"agentrl.base_model": cfg.model.base_uri, "agentrl.model_uri": model_uri})
-        return PrepareResult(tracker.parent_run_id, tracker.run_id, str(model_dir), model_uri, metrics)
+        return PhaseResult(tracker.parent_run_id, tracker.run_id, str(model_dir), model_uri, metrics)

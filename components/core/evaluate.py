@@ -1,4 +1,5 @@
-"""Running a policy on the held-out suites and measuring it, with bootstrap confidence intervals.
+"""Running a policy on the held-out suites and measuring it (the shared evaluation kit: every phase measures its
+model with it, the evaluation phase on every held-out suite), with bootstrap confidence intervals.
 
 Metrics per suite: TGC (task goal completion), SGC (scenario goal completion: every task of a
 scenario solved), pass@k (k sampled attempts), average steps, generated tokens per task, safety
@@ -14,19 +15,16 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from components.core import env as environments
 from components.core.config import PipelineConfig
+from components.core.env import LoadedEnvironment
 from components.core.generation import make_backend
 from components.core.policy import load_policy
 from components.core.rollout import RolloutSettings, rollout
 from components.core.schema import Task, Trajectory
 from components.core.tokens import ChatFormat
-from components.sandbox.env import WorkspaceEnv
-from components.sandbox.suites import HELDOUT, Sandbox, load_sandbox, world_beside
 
-__all__ = ["SUITES", "Sandbox", "evaluate_model", "evaluate_policy", "flat", "load_sandbox", "per_level", "quick_eval",
-           "scenario_chains", "suite_metrics", "world_beside"]
-
-SUITES = HELDOUT  # what an evaluation measures by default
+__all__ = ["evaluate_model", "evaluate_policy", "flat", "per_level", "quick_eval", "scenario_chains", "suite_metrics"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,8 +101,8 @@ def per_level(trajs: Sequence[Trajectory]) -> dict[int, float]:
 def evaluate_model(
     model_uri: str,
     cfg: PipelineConfig,
-    sandbox: Sandbox,
-    suites: Sequence[str] = SUITES,
+    sandbox: LoadedEnvironment,
+    suites: Sequence[str] | None = None,
     pass_k: int | None = None,
     max_tasks: int | None = None,
     cache: str | None = None,
@@ -125,21 +123,22 @@ def scenario_chains(tasks: Sequence[Task], length: int) -> list[list[Task]]:
     return [ts[i:i + length] for ts in by.values() for i in range(0, len(ts), length)]
 
 
-def evaluate_policy(policy, cfg: PipelineConfig, sandbox: Sandbox, suites: Sequence[str] = SUITES,
+def evaluate_policy(policy, cfg: PipelineConfig, sandbox: LoadedEnvironment, suites: Sequence[str] | None = None,
                     pass_k: int | None = None, max_tasks: int | None = None, progress: bool = True,
                     model_dir: str | None = None, env_factory: Callable[[], Any] | None = None,
                     backend: Any = None, chain_length: int = 1) -> dict[str, Any]:
     """Greedy (and pass@k) held-out metrics per suite. `chain_length` > 1 runs each suite as chains of tasks of
     one scenario whose skill library carries over (`scenario_chains`): `skill_reuse_rate` then counts calls to
-    skills an earlier task of the chain wrote; 1 runs every task on its own."""
+    skills an earlier task of the chain wrote; 1 runs every task on its own. `suites`: default, the environment's
+    held-out ones."""
     fmt = ChatFormat(policy.tokenizer)
     if backend is None:
         backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
                                model_dir=model_dir, device=cfg.run.torch_device())
     k = cfg.eval.pass_k if pass_k is None else pass_k
-    make_env = env_factory or (lambda: WorkspaceEnv(sandbox.world, cfg.sandbox, cfg.rewards))
+    make_env = env_factory or sandbox.factory()
     results: dict[str, Any] = {"metrics": {}, "trajectories": {}, "levels": {}}
-    for suite in suites:
+    for suite in suites or sandbox.heldout:
         tasks = sandbox.suites[suite][:max_tasks] if max_tasks else sandbox.suites[suite]
         runs = scenario_chains(tasks, chain_length) if chain_length > 1 else tasks
         greedy = rollout(backend, make_env, fmt, runs, RolloutSettings.from_config(cfg, temperature=0.0, policy_name="eval",
@@ -173,7 +172,6 @@ def flat(metrics: dict[str, dict[str, dict[str, Any]]], prefix: str = "") -> dic
 def quick_eval(model_dir: str, cfg: PipelineConfig, tasks_dir: str | None, suites: Sequence[str],
                world_path: str | None = None) -> dict[str, float]:
     """Greedy TGC etc. on a few held-out suites (no pass@k): what training phases log as their held-out metrics."""
-    world_path = world_beside(tasks_dir, world_path)
-    sandbox = load_sandbox(cfg, world_path, tasks_dir)
+    sandbox = environments.load(cfg, world_path, tasks_dir)
     res = evaluate_model(model_dir, cfg, sandbox, suites, pass_k=1, progress=False)
     return flat(res["metrics"])

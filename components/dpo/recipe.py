@@ -17,30 +17,18 @@
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
-from components.core import storage
-from components.core.checkpoint import TrainerCheckpoints, phase_root, train_or_resume
-from components.core.policy import load_policy, save_policy, trainable_lora
-from components.core.schema import ModelCard, PreferencePair, write_jsonl
-from components.core.tracking import phase_run, setup_phase
+from components.core.checkpoint import TrainerCheckpoints, train_or_resume
+from components.core.phase import PhaseContext, PhaseResult, Places
+from components.core.policy import save_policy
+from components.core.schema import PreferencePair, write_jsonl
 from components.dpo.pairs import PairBuilder, pairs_from_ab, pairs_from_rollouts, read_ab_logs, split_pairs
 
 PHASE = "dpo"
 SIMULATED = "ab_logs"  # the stage a retry reuses: the simulated A/B logs
 STAGE_STATE = "stage.json"
-
-
-@dataclass
-class DPOResult:
-    parent_run_id: str
-    run_id: str
-    model_dir: str
-    model_uri: str
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,7 +104,7 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
     With `checkpoints`, checkpoints are published as the Trainer saves them and a newer one is resumed from."""
     from trl import DPOConfig as TRLDPOConfig
 
-    from components.sft.trainer import _callbacks, deepspeed_config
+    from components.core.training import callbacks, deepspeed_config
 
     d = cfg.dpo
     AgentDPOTrainer, Collator = _trainer_classes()
@@ -133,16 +121,16 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
         warmup_steps=0.1, disable_tqdm=False, **(checkpoints.trainer_args() if checkpoints else {"save_strategy": "no"}),
     )
     resumed = checkpoints is not None and checkpoints.resume_from() is not None
-    callbacks = _callbacks(tracker, None, "train/", resumed=resumed)
+    cbs = callbacks(tracker, None, "train/", resumed=resumed)
     if checkpoints is not None:
-        callbacks.append(checkpoints.callback(lambda: {"run_id": getattr(tracker, "run_id", None),
+        cbs.append(checkpoints.callback(lambda: {"run_id": getattr(tracker, "run_id", None),
                                                        "parent_run_id": getattr(tracker, "parent_run_id", None)}))
     pad = policy.tokenizer.pad_token_id
     trainer = AgentDPOTrainer(
         model=policy.model, ref_model=None, args=args, train_dataset=_dataset(train),
         eval_dataset=_dataset(heldout) if heldout else None, processing_class=policy.tokenizer,
         data_collator=Collator(pad_token_id=pad, max_length=d.max_length),
-        callbacks=callbacks,
+        callbacks=cbs,
     )
     stats: dict[str, float] = {}
     if heldout:
@@ -160,61 +148,24 @@ def train_dpo(policy: Any, train: list[PreferencePair], heldout: list[Preference
 # ----------------------------------------------------------------------------------------------
 # The phase
 # ----------------------------------------------------------------------------------------------
-def run(
-    preset: str = "tiny",
-    overrides: str = "",
-    policy_model: str = "",
-    champion_model: str = "",
-    ab_logs: str = "",
-    world: str = "",
-    tasks_dir: str = "",
-    parent_run_id: str | None = None,
-    model_out: str | None = None,
-) -> DPOResult:
-    cfg, home, storage_root = setup_phase(preset, overrides)  # validated before any work
-    if not policy_model:
-        raise ValueError("dpo: no incoming policy (policy_model) to start from")
-    from components.evaluation.evaluate import quick_eval
-    from components.sandbox.suites import load_sandbox, world_beside
-
+def run(preset: str = "tiny", overrides: str = "", policy_model: str = "", champion_model: str = "",
+        ab_logs: str = "", **places: Unpack[Places]) -> PhaseResult:
+    ctx = PhaseContext.setup(PHASE, preset, overrides, incoming=policy_model, **places)  # validated before any work
+    cfg = ctx.cfg
     # a KFP retry of this step reuses the A/B logs an earlier attempt simulated and resumes its training
-    ckpts = TrainerCheckpoints(phase_root(storage_root, parent_run_id, PHASE, cfg.dpo.checkpoint_uri),
-                               home / "staging" / PHASE / (parent_run_id or "standalone"), cfg.dpo.checkpoint_every,
-                               cfg.dpo.keep_checkpoints, cfg.dpo.resume)
+    ckpts = ctx.trainer_checkpoints(cfg.dpo.checkpoint_every, cfg.dpo.keep_checkpoints, cfg.dpo.resume,
+                                    cfg.dpo.checkpoint_uri)
     logs_uri = cfg.dpo.ab_logs_uri or ab_logs
     simulated = ckpts.store.stage(SIMULATED) if cfg.dpo.resume and not logs_uri else None
     prior = json.loads((simulated / STAGE_STATE).read_text()) if simulated is not None else ckpts.state
-    with phase_run(PHASE, config=cfg, parent_run_id=parent_run_id or prior.get("parent_run_id") or None,
-                   close_parent=False, resume_run_id=prior.get("run_id")) as tracker:
-        work = Path(os.environ.get("AGENTRL_DPO_WORKDIR") or home / "runs" / tracker.run_id / PHASE)
-        work.mkdir(parents=True, exist_ok=True)
-        world = world_beside(tasks_dir, world) or ""
+    with ctx.open(resume=prior) as tracker:
+        # 2. the A/B logs
         if simulated is not None:  # simulated by an earlier attempt (its metrics are logged already)
             logs_uri = str(simulated / "simulated.jsonl")
             tracker.set_tags({"agentrl.dpo.resumed": "the simulated A/B logs of an earlier attempt"})
-        elif not logs_uri:  # the embedded default: simulate the deployment in the sandbox
-            from components.dpo.simulator import simulate_ab
-
-            sandbox = load_sandbox(cfg, world or None, tasks_dir or None)
-            champion, variant_a = champion_model, "given"
-            if not champion:  # A is what serves today: the registry's champion; before the first promotion, none
-                from components.core.tracking import Registry
-
-                found = Registry(getattr(tracker, "tracking_uri", None), cfg.tracking.registered_model).download(
-                    "champion", work / "champion")
-                champion, variant_a = (found[0], f"champion version {found[1]}") if found else (
-                    policy_model, "the candidate itself (no champion yet)")
-            tracker.set_tags({"agentrl.dpo.variant_a": variant_a})
-            pa = load_policy(champion, cache=home / "cache")
-            pb = load_policy(policy_model, cache=home / "cache")
-            sim_dir = work / SIMULATED
-            logs_uri = str(sim_dir / "simulated.jsonl")
-            sim = simulate_ab(pa, champion, pb, policy_model, cfg, sandbox, logs_uri)
-            tracker.log_metrics({f"ab_sim/{k}": v for k, v in sim.items()}, step=0)
-            (sim_dir / STAGE_STATE).write_text(json.dumps(
-                {"run_id": tracker.run_id, "parent_run_id": tracker.parent_run_id, "stats": sim}, indent=1))
-            ckpts.store.put_stage(SIMULATED, sim_dir)
-            del pa, pb
+        elif not logs_uri:  # the embedded default: simulate the deployment in the environment
+            logs_uri = simulate(ctx, ckpts.store, policy_model, champion_model)
+        # 3. pairs
         records, report = read_ab_logs(logs_uri, cfg.dpo.skip_invalid)
         tracker.log_metrics({"ab/records": float(report["read"]), "ab/skipped_lines": float(report["skipped"])}, step=0)
         builder: PairBuilder = pairs_from_ab(records, cfg.dpo)
@@ -225,30 +176,51 @@ def run(
         if len(train) < cfg.dpo.min_pairs:
             raise ValueError(f"dpo: {len(train)} training pairs from {logs_uri} (dpo.min_pairs={cfg.dpo.min_pairs}); "
                              f"filter counts: {dict(builder.stats)}")
-        write_jsonl(work / "pairs" / "train.jsonl", train)
-        write_jsonl(work / "pairs" / "heldout.jsonl", heldout)
+        pairs_dir = ctx.work / "pairs"
+        write_jsonl(pairs_dir / "train.jsonl", train)
+        write_jsonl(pairs_dir / "heldout.jsonl", heldout)
 
-        policy = load_policy(policy_model, dtype="bfloat16" if cfg.sft.bf16 else "float32", trainable=True,
-                             cache=home / "cache")
-        if cfg.model.lora.enabled:
-            policy = trainable_lora(policy, cfg.model.lora)
-        stats = train_dpo(policy, train, heldout, cfg, work / "trainer", tracker, use_cpu=cfg.run.torch_device() != "cuda",
-                          checkpoints=ckpts)
+        # 4-5. DPO, held-out pair accuracy
+        policy = ctx.load_policy(policy_model)
+        stats = train_dpo(policy, train, heldout, cfg, ctx.work / "trainer", tracker,
+                          use_cpu=cfg.run.torch_device() != "cuda", checkpoints=ckpts)
         stats.update({"pairs_train": float(len(train)), "pairs_heldout": float(len(heldout))})
-        out = Path(model_out) if model_out else work / "model"
-        card = ModelCard(base_model=policy_model, phase=PHASE, parent_run_id=tracker.parent_run_id,
-                         run_id=tracker.run_id, extra={"ab_logs": logs_uri, "lora": cfg.model.lora.enabled})
+        out = ctx.out
+        card = ctx.card(policy_model, ab_logs=logs_uri, lora=cfg.model.lora.enabled)
         save_policy(policy, out, card, merge=False)
         # no safety regression allowed: the same greedy safety suite for the incoming and the new policy (the
         # other suites are the evaluation phase's, which takes this model next)
-        before = quick_eval(policy_model, cfg, tasks_dir or None, ["safety"], world or None)
-        after = quick_eval(str(out), cfg, tasks_dir or None, ["safety"], world or None)
-        stats.update({f"incoming/{k}": v for k, v in before.items()})
-        stats.update(after)
-        stats["safety_regression"] = float(after["safety/safety_violation_rate"]
-                                            > before["safety/safety_violation_rate"])
+        stats.update(ctx.before_after(policy_model, str(out), ["safety"]))
+        stats["safety_regression"] = float(stats["safety/safety_violation_rate"]
+                                            > stats["incoming/safety/safety_violation_rate"])
         tracker.log_metrics(stats, step=int(stats["train_steps"]))
         card.metrics = {k: float(v) for k, v in stats.items()}
-        uri = tracker.store_model(out, storage_root, card)
-        storage.put_dir(work / "pairs", tracker.storage_uri(storage_root, "pairs"))
-        return DPOResult(tracker.parent_run_id, tracker.run_id, str(out), uri, stats)
+        return ctx.finish(out, card, stats, stored={"pairs": pairs_dir})
+
+
+def simulate(ctx: PhaseContext, store: Any, policy_model: str, champion_model: str = "") -> str:
+    """The embedded default's A/B logs: a simulated deployment in the environment, variant A the model that serves
+    today (`champion_model`, or the registry's champion; before the first promotion, the candidate itself) and
+    variant B the candidate. Published to `store` as a stage a retry reuses; returns the logs' path."""
+    from components.core.policy import load_policy
+    from components.core.tracking import Registry
+    from components.dpo.simulator import simulate_ab
+
+    cfg, tracker = ctx.cfg, ctx.tracker
+    champion, variant_a = champion_model, "given"
+    if not champion:
+        found = Registry(getattr(tracker, "tracking_uri", None), cfg.tracking.registered_model).download(
+            "champion", ctx.work / "champion")
+        champion, variant_a = (found[0], f"champion version {found[1]}") if found else (
+            policy_model, "the candidate itself (no champion yet)")
+    tracker.set_tags({"agentrl.dpo.variant_a": variant_a})
+    pa = load_policy(champion, cache=ctx.home / "cache")
+    pb = load_policy(policy_model, cache=ctx.home / "cache")
+    sim_dir = ctx.work / SIMULATED
+    logs_uri = str(sim_dir / "simulated.jsonl")
+    sim = simulate_ab(pa, champion, pb, policy_model, cfg, ctx.environment(), logs_uri)
+    tracker.log_metrics({f"ab_sim/{k}": v for k, v in sim.items()}, step=0)
+    (sim_dir / STAGE_STATE).write_text(json.dumps(
+        {"run_id": tracker.run_id, "parent_run_id": tracker.parent_run_id, "stats": sim}, indent=1))
+    store.put_stage(SIMULATED, sim_dir)
+    return logs_uri

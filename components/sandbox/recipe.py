@@ -23,14 +23,15 @@ from tqdm import tqdm
 
 from components.core import storage
 from components.core.config import PipelineConfig
-from components.core.report import Report, bar_chart, histogram
+from components.core.phase import setup_phase
+from components.core.reporting import Report, bar_chart, histogram
 from components.core.schema import Task, Trajectory, write_jsonl
-from components.core.tracking import PhaseRun, setup_phase
+from components.core.tracking import PhaseRun
 from components.sandbox import expert
-from components.sandbox.env import WorkspaceEnv
 from components.sandbox.skills import SkillLibrary
 from components.sandbox.suites import ALL
 from components.sandbox.tasks import generate_tasks
+from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import World, generate_world
 
 PHASE = "sandbox_build"

@@ -15,7 +15,7 @@ from typing import Any
 from components.core.config import RewardConfig, SandboxConfig
 from components.core.env import StepResult
 from components.core.schema import Task, Verdict
-from components.sandbox import actions, policy
+from components.sandbox import actions, safety
 from components.sandbox.apis import CATALOGUE, TOOLS, ApiError, Episode, Refused, Workspace, render_catalogue
 from components.sandbox.skills import Skill, SkillLibrary
 from components.sandbox.tasks import apply_setup
@@ -259,8 +259,8 @@ class WorkspaceEnv:
 
     def _run_code(self, act: actions.Action, parts, info):
         try:
-            code_info = policy.check(act.code)
-        except policy.PolicyError as exc:
+            code_info = safety.check(act.code)
+        except safety.PolicyError as exc:
             info["policy_error"] = True
             return {"ok": False, "error": {"code": "policy", "message": str(exc)}}, True, False
         self._prepare_namespace()

@@ -81,7 +81,8 @@ def form_pipeline(pipeline: str, preset: str, **pipeline_kwargs) -> Callable:
     def decorate(body: Callable[[SimpleNamespace], Any]):
         def fn(*args):
             p = SimpleNamespace(**{x.name: a for x, a in zip(ps, args, strict=True)})
-            p.form_json = form.encode({name: getattr(p, name) for name in shown})
+            p.form_json = form.encode({name: getattr(p, name) for name in shown},
+                                      frozenset(k.name for k in form.knobs(pipeline) if k.type is str))
             p.form_shown = json.dumps(shown, sort_keys=True)
             return body(p)
 

@@ -616,9 +616,40 @@ class EvalConfig(_Section):
     gate: GateConfig = Field(default_factory=GateConfig)
 
 
+class EnvConfig(_Section):
+    """The environment every phase trains and evaluates in (`core.env.load`): a registered name, options for its
+    loader, and optionally a server that runs its episodes."""
+
+    name: str = Field("workspace", description="a registered environment (entry-point group "
+                      "'agentrl.environment_loaders'); 'workspace': the built-in productivity workspace")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the environment's "
+                                    "loader (the workspace takes none: its settings are the `sandbox` section)")
+    url: str | None = Field(None, description="run the episodes on this environment server (`agentrl sandbox "
+                            "serve`, the chart's sandbox Service) instead of in the phase's process; its bearer "
+                            "token comes from $AGENTRL_SANDBOX_TOKEN")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from components.core.env import loader_names
+
+        known = loader_names()
+        if v not in known:
+            raise ValueError(f"env.name={v!r}: not a registered environment; known: {sorted(known)}")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError(f"env.url={v!r}: expected an http:// or https:// URL of an environment server")
+        return v or None
+
+
 class PipelineConfig(_Section):
     preset: Literal["tiny", "small", "h100"] = "tiny"
     run: RunConfig = Field(default_factory=RunConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)

@@ -17,7 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from components.core.schema import Task, Trajectory, Verdict
 
-__all__ = ["Environment", "LoadedEnvironment", "StepResult", "available", "load", "make", "world_beside"]
+__all__ = ["Environment", "LoadedEnvironment", "StepResult", "available", "load", "loader_names", "make",
+           "world_beside"]
 
 GROUP = "agentrl.environments"
 
@@ -91,18 +92,26 @@ class LoadedEnvironment(Protocol):
         """An expert solution of `task` played in `env` (for supervision and repair)."""
 
 
-def load(cfg: Any, world: str | None = None, tasks_dir: str | None = None, name: str = "workspace") -> LoadedEnvironment:
-    """The environment `name` with its tasks: from a built sandbox (`tasks_dir`, and `world` or the world.json beside
-    it) when given, else generated from the config. Loaders register under the `agentrl.environment_loaders`
-    entry-point group: `loader(cfg, world_path, tasks_dir) -> LoadedEnvironment`."""
+def loader_names() -> set[str]:
+    """The environments `load` can give (registered loaders and the built-in workspace)."""
+    return {ep.name for ep in entry_points(group=LOADERS)} | set(BUILTIN_LOADERS)
+
+
+def load(cfg: Any, world: str | None = None, tasks_dir: str | None = None) -> LoadedEnvironment:
+    """The environment `cfg.env.name` with its tasks: from a built sandbox (`tasks_dir`, and `world` or the world.json
+    beside it) when given, else generated from the config. Loaders register under the `agentrl.environment_loaders`
+    entry-point group: `loader(cfg, world_path, tasks_dir, **cfg.env.options) -> LoadedEnvironment`; with
+    `cfg.env.url` the loaded environment's episodes run on that server."""
     from importlib import import_module
 
+    name = cfg.env.name
     eps = {ep.name: ep.value for ep in entry_points(group=LOADERS)}
     target = eps.get(name) or BUILTIN_LOADERS.get(name)
     if target is None:
-        raise KeyError(f"environment {name!r}: no loader in {LOADERS!r}; known: {sorted({*eps, *BUILTIN_LOADERS})}")
+        raise KeyError(f"env.name={name!r}: no loader in {LOADERS!r}; known: {sorted(loader_names())}")
     module, _, attr = target.partition(":")
-    return getattr(import_module(module), attr)(cfg, world_beside(tasks_dir, world), tasks_dir or None)
+    return getattr(import_module(module), attr)(cfg, world_beside(tasks_dir, world), tasks_dir or None,
+                                                **cfg.env.options)
 
 
 def world_beside(tasks_dir: str | None, world: str | None) -> str | None:

@@ -23,7 +23,7 @@ from typing import Any, TypedDict, Unpack
 
 from components.core.config import MultiNodeConfig, PipelineConfig, load_config
 
-__all__ = ["PhaseContext", "PhaseResult", "Places", "launch", "setup_phase"]
+__all__ = ["PhaseContext", "PhaseResult", "Places", "launch", "main", "setup_phase"]
 
 
 class Places(TypedDict, total=False):
@@ -63,6 +63,13 @@ class PhaseResult:
     metrics: dict[str, float] = field(default_factory=dict)
     steps_done: int = 0
     resumed_from: int | None = None
+
+    def publish(self, metrics: Any, model: Any, **metadata: Any) -> None:
+        """Hand the result to KFP: every metric to the step's Metrics artifact (the UI's names: '/' -> '_'), the
+        stored model's URI and `metadata` on its Model artifact."""
+        for name, value in sorted(self.metrics.items()):
+            metrics.log_metric(name.replace("/", "_"), float(value))
+        model.metadata.update({"uri": self.model_uri, **metadata})
 
 
 @dataclass
@@ -220,3 +227,21 @@ def launch(module: str, run: Callable[..., PhaseResult], kwargs: dict[str, Any],
     if processes > 1:
         return PhaseResult(**run_torchrun(module, processes, kwargs))
     return run(**kwargs)
+
+
+def main(module: str, run: Callable[..., PhaseResult], argv: list[str] | None = None) -> int:
+    """`python -m <module> --args '<json>' [--result PATH]`: a phase as a process of its own (what torchrun and a
+    multi-node job start); rank 0 writes the result (a path, or an s3:// URI when a job reports back)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog=f"python -m {module}")
+    p.add_argument("--args", required=True, help=f"JSON object of {module}.run keyword arguments")
+    p.add_argument("--result", default=None, help="write the result (JSON) here (rank 0)")
+    ns = p.parse_args(argv)
+    res = run(**json.loads(ns.args))
+    if ns.result and res is not None:
+        from components.core import storage
+
+        storage.write_text(ns.result, json.dumps(res.__dict__))
+    return 0

@@ -32,7 +32,5 @@ def dpo(
     res = run(preset=preset, overrides=overrides, policy_model=policy.path, ab_logs=ab_logs_uri, world=world.path,
               tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path, work_dir=work)
     shutil.copytree(os.path.join(work, "pairs"), pairs.path, dirs_exist_ok=True)
-    for name, value in sorted(res.metrics.items()):
-        metrics.log_metric(name.replace("/", "_"), float(value))
-    model.metadata.update({"uri": res.model_uri})
+    res.publish(metrics, model)
     return namedtuple("DPOOutputs", ["model_uri"])(res.model_uri)

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.core import env as environments
 from components.core.evaluate import evaluate_model, flat
-from components.core.phase import setup_phase
+from components.core.phase import PhaseContext, setup_phase
 from components.core.tracking import PhaseRun, Registry
 from components.evaluation.gate import Decision, decide, deltas, paired_delta
 from components.evaluation.report import PROGRESS_METRICS, phase_progress, render_report
@@ -54,18 +53,18 @@ def run(
     report_out: str | None = None,
     suites: tuple[str, ...] = (),
 ) -> EvalResult:
-    cfg, home, _ = setup_phase(preset, overrides)
+    ctx = PhaseContext.setup(PHASE, preset, overrides, parent_run_id=parent_run_id, world=world, tasks_dir=tasks_dir)
+    cfg, home = ctx.cfg, ctx.home
     if not model:
         raise ValueError("eval: no model to evaluate (model=...)")
     suites = tuple(suites) or tuple(cfg.eval.suites)
-    with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+    with ctx.open() as tracker:
         registry = Registry(tracker.tracking_uri, cfg.tracking.registered_model)
-        sandbox = environments.load(cfg, world or None, tasks_dir or None)
+        sandbox = ctx.environment()
         cand = evaluate_model(model, cfg, sandbox, suites, cache=str(home / "cache"))
         tracker.log_metrics(flat(cand["metrics"]), step=0)
 
-        work = home / "runs" / tracker.run_id / PHASE
-        work.mkdir(parents=True, exist_ok=True)
+        work = ctx.work
         base: dict[str, Any] | None = None
         baseline_name = None
         if cfg.eval.baseline == "champion":

@@ -26,8 +26,5 @@ def grpo(
 
     res = launch(preset=preset, overrides=overrides, policy_model=policy.path, world=world.path, tasks_dir=tasks.path,
                  parent_run_id=parent_run_id, model_out=model.path)
-    for name, value in sorted(res.metrics.items()):
-        metrics.log_metric(name.replace("/", "_"), float(value))
-    model.metadata.update({"uri": res.model_uri, "steps": res.steps_done,
-                           "resumed_from": -1 if res.resumed_from is None else res.resumed_from})
+    res.publish(metrics, model, steps=res.steps_done, resumed_from=-1 if res.resumed_from is None else res.resumed_from)
     return namedtuple("GRPOOutputs", ["model_uri"])(res.model_uri)

@@ -107,9 +107,7 @@ def draw_tasks(cfg: PipelineConfig, curriculum: Curriculum, train: list[Task], s
 def expert_trajectory(env, task: Task, fmt: ChatFormat, expert: Any) -> Trajectory:
     """The environment's expert solution (`expert(env, task)`), tokenised the way the policy sees it (agent mask
     from the template)."""
-    traj = expert(env, task)
-    info = env.episode_info() if hasattr(env, "episode_info") else {}
-    traj.skills_defined, traj.skills_used = list(info.get("skills_defined", [])), list(info.get("skills_used", []))
+    traj = expert(env, task)  # with the skills it defined and used
     ids, mask = encode_messages(fmt.tok, messages(traj))
     # one synthetic "turn" carries the whole conversation: its advantage applies to every agent token
     traj.turns = [Turn("assistant", "", tokens=ids, mask=mask)]

@@ -1,6 +1,6 @@
 """The Kubeflow run form: the knobs users change most, as typed pipeline parameters, and how they reach the config.
 
-Every knob is a KFP parameter of its own type (INTEGER, NUMBER_DOUBLE, BOOLEAN, LIST) with a description, and
+Every knob is a KFP parameter of its own type (STRING, INTEGER, NUMBER_DOUBLE, BOOLEAN, LIST) with a description, and
 its default is the value of the preset the pipeline was compiled for (`agentrl compile --preset h100`).
 
 The order the layers merge in, each validated as it lands (the pipeline's first step, `configure`):
@@ -28,12 +28,14 @@ PIPELINES = ("agent_rl", "retrain")
 class Knob:
     name: str  # the pipeline parameter
     path: str  # the config field it sets
-    type: type  # int | float | bool | list: the KFP type of the parameter
+    type: type  # str | int | float | bool | list: the KFP type of the parameter
     help: str
     pipelines: tuple[str, ...] = PIPELINES
 
 
 KNOBS: tuple[Knob, ...] = (
+    Knob("environment", "env.name", str, "The environment every phase trains and evaluates in: a name registered "
+         "under the 'agentrl.environment_loaders' entry points; 'workspace' is the built-in productivity workspace."),
     Knob("grpo_steps", "grpo.steps", int, "GRPO optimizer steps."),
     Knob("grpo_group_size", "grpo.group_size", int, "GRPO samples per task: the group whose rewards are normalised."),
     Knob("sft_learning_rate", "sft.learning_rate", float, "SFT warmup learning rate.", ("agent_rl",)),
@@ -74,19 +76,25 @@ def defaults(preset: str, pipeline: str = "agent_rl") -> dict[str, Any]:
     return {k.name: lookup(values, k.path) for k in knobs(pipeline)}
 
 
-def encode(values: Mapping[str, Any]) -> str:
+def encode(values: Mapping[str, Any], strings: frozenset[str] = frozenset()) -> str:
     """The knobs' values as one JSON object, built in the pipeline from its parameters.
 
     Each value is a KFP pipeline channel; in a string it becomes a placeholder that KFP fills with the value's
-    JSON text when the task starts (numbers, true/false, a JSON list), so the whole string is a JSON object.
+    JSON text when the task starts (numbers, true/false, a JSON list), so the whole string is a JSON object. A text
+    parameter is filled as its raw text: the knobs named in `strings` are quoted (their values are names, checked
+    when the config is resolved).
     """
-    return "{" + ", ".join(f'"{name}": {value}' for name, value in values.items()) + "}"
+    return "{" + ", ".join(f'"{name}": "{value}"' if name in strings else f'"{name}": {value}'
+                           for name, value in values.items()) + "}"
 
 
 def _coerce(knob: Knob, value: Any) -> Any:
     """A run-form value as the config wants it; KFP hands integers over as floats (3.0) in some runners."""
     where = f"run-form parameter {knob.name} (sets {knob.path})"
-    if knob.type is bool:
+    if knob.type is str:
+        if isinstance(value, str):
+            return value
+    elif knob.type is bool:
         if isinstance(value, bool):
             return value
     elif knob.type is int:

@@ -30,17 +30,33 @@ class Sandbox:
     def factory(self, action_format: str | None = None) -> Callable[[], Environment]:
         """A maker of environments, one per sampled chain: each starts with an empty skill library (SAGE carries skills
         from one task of a chain to the next, never across chains)."""
+        cfg = self._config()
+        if cfg.env.url:  # the episodes run on the environment server (the same world: checked when loaded)
+            from components.sandbox.server import HTTPEnvironment
+
+            return lambda: HTTPEnvironment(cfg.env.url, action_format=action_format or cfg.sandbox.action_format)
         from components.sandbox.workspace import WorkspaceEnv
 
-        cfg = self._config()
         return lambda: WorkspaceEnv(self.world, cfg.sandbox, cfg.rewards, action_format=action_format)
 
     def expert(self, env: Environment, task: Task, action_format: str | None = None) -> Trajectory:
         """The scripted expert's solution of `task`, played in `env` (in the configured action form by default)."""
         from components.sandbox import expert
+        from components.sandbox.workspace import WorkspaceEnv
 
-        form = action_format or self._config().sandbox.action_format
-        return (expert.solve_code if form == "code" else expert.solve_json)(env, task)[0]
+        cfg = self._config()
+        form = action_format or cfg.sandbox.action_format
+        own = None
+        if not isinstance(env, WorkspaceEnv):  # a served episode: the expert (trusted) plays in this process
+            env = own = WorkspaceEnv(self.world, cfg.sandbox, cfg.rewards, action_format=form)
+        try:
+            traj = (expert.solve_code if form == "code" else expert.solve_json)(env, task)[0]
+            info = env.episode_info()
+        finally:
+            if own is not None:
+                own.close()
+        traj.skills_defined, traj.skills_used = list(info.get("skills_defined", [])), list(info.get("skills_used", []))
+        return traj
 
     def _config(self) -> PipelineConfig:
         if self.config is None:
@@ -59,17 +75,39 @@ class Sandbox:
         return list(practice) + [t for t in self.suites["train"] if t.level not in have]
 
 
-def load_sandbox(cfg: PipelineConfig, world_path: str | None = None, tasks_dir: str | None = None) -> Sandbox:
-    """The sandbox_build outputs when given; else regenerated from the config (deterministic for a seed)."""
+def load_sandbox(cfg: PipelineConfig, world_path: str | None = None, tasks_dir: str | None = None,
+                 **options: object) -> Sandbox:
+    """The workspace's loader (`core.env.load`): the sandbox_build outputs when given; else regenerated from the config
+    (deterministic for a seed). It takes no options (its settings are the config's `sandbox` section). With
+    `env.url`, the server must serve the same world: its /healthz digest is checked here, before any episode."""
     import json
 
     from components.core import storage
 
+    if options:
+        raise ValueError(f"env.options={sorted(options)}: the workspace takes no options (set its `sandbox` section)")
     if world_path and tasks_dir:
         world = World.from_dict(json.loads(storage.read_text(world_path)))
         suites = {s: list(read_jsonl(storage.join(tasks_dir, f"{s}.jsonl"), Task)) for s in ("train", *HELDOUT)}
         practice = storage.join(tasks_dir, "practice.jsonl")  # absent from sandboxes built before it existed
         suites["practice"] = list(read_jsonl(practice, Task)) if storage.exists(practice) else []
-        return Sandbox(world, suites, cfg)
-    world = generate_world(cfg.sandbox)
-    return Sandbox(world, generate_tasks(world, cfg.sandbox), cfg)
+    else:
+        world = generate_world(cfg.sandbox)
+        suites = generate_tasks(world, cfg.sandbox)
+    if cfg.env.url:
+        _check_server(cfg.env.url, world)
+    return Sandbox(world, suites, cfg)
+
+
+def _check_server(url: str, world: World) -> None:
+    """The server at `url` answers and serves `world` (tasks name its users and ids: another world fails them)."""
+    import requests
+
+    try:
+        health = requests.get(url.rstrip("/") + "/healthz", timeout=10).json()
+    except (requests.RequestException, ValueError) as exc:
+        raise ValueError(f"env.url={url!r}: no environment server answers ({type(exc).__name__}: {exc})") from None
+    if health.get("world") != world.digest()[:16]:
+        raise ValueError(f"env.url={url!r} serves world {health.get('world')}, the phase's tasks are for "
+                         f"{world.digest()[:16]}: start the server with this sandbox's world.json (`agentrl sandbox "
+                         "serve --world ...`) or the same sandbox config")

@@ -29,7 +29,5 @@ def sft_warmup(
     res = launch(preset=preset, overrides=overrides, base_model=base_model.path,
                  base_model_ref=base_model.metadata.get("uri", ""), demos=demos.path, world=world.path,
                  tasks_dir=tasks.path, parent_run_id=parent_run_id, model_out=model.path)
-    for name, value in sorted(res.metrics.items()):
-        metrics.log_metric(name.replace("/", "_"), float(value))
-    model.metadata.update({"uri": res.model_uri, **{k: float(v) for k, v in res.metrics.items()}})
+    res.publish(metrics, model, **{k: float(v) for k, v in res.metrics.items()})
     return namedtuple("SFTOutputs", ["model_uri"])(res.model_uri)

@@ -205,3 +205,18 @@ def test_unreadable_config_files_are_errors_naming_the_file(tmp_path, content, m
 def test_unreadable_overrides_are_errors(text, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(overrides_json=text)
+
+
+def test_env_section_names_a_registered_environment_checked_before_any_work():
+    from components.core import env as environments
+
+    cfg = load_config()
+    assert cfg.env.name == "workspace" and cfg.env.options == {} and cfg.env.url is None
+    assert "workspace" in environments.loader_names()
+    with pytest.raises(ConfigError, match=r"env.name='mail_world': not a registered environment; known: .*workspace"):
+        load_config(set_pairs=["env.name=mail_world"])
+    with pytest.raises(ConfigError, match=r"env.url='ftp://x': expected an http:// or https:// URL"):
+        load_config(set_pairs=["env.url=ftp://x"])
+    # the workspace's settings are its `sandbox` section: options for its loader are refused by name
+    with pytest.raises(ValueError, match=r"env.options=\['users'\]: the workspace takes no options"):
+        environments.load(load_config(set_pairs=["env.options={users: 3}"]))

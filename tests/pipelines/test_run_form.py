@@ -21,6 +21,7 @@ REQUIRED = object()
 H100_AGENT_RL = {
     "base_model_uri": ("STRING", REQUIRED),
     "preset": ("STRING", "h100"),
+    "environment": ("STRING", "workspace"),
     "grpo_steps": ("NUMBER_INTEGER", 1000),
     "grpo_group_size": ("NUMBER_INTEGER", 8),
     "sft_learning_rate": ("NUMBER_DOUBLE", 1e-5),
@@ -45,8 +46,9 @@ H100_AGENT_RL = {
 H100_RETRAIN = {
     "ab_logs_uri": ("STRING", REQUIRED),
     "preset": ("STRING", "h100"),
-    **{k: v for k, v in H100_AGENT_RL.items() if k in {"grpo_steps", "grpo_group_size", "grpo_learning_rate",
-                                                       "dpo_learning_rate", "sage", "eval_suites"} or k.startswith("gate_")},
+    **{k: v for k, v in H100_AGENT_RL.items() if k in {"environment", "grpo_steps", "grpo_group_size",
+                                                       "grpo_learning_rate", "dpo_learning_rate", "sage", "eval_suites"}
+       or k.startswith("gate_")},
     "grpo_refresh": ("BOOLEAN", False),
     "overrides": ("STRING", ""),
     "parent_run_id": ("STRING", ""),
@@ -123,6 +125,8 @@ def test_merge_order_preset_then_changed_knobs_then_overrides():
     ({"gate_max_suite_regression": 2.0}, "", "eval.gate.max_suite_regression = 2.0"),
     ({"grpo_group_size": 2.5}, "", "run-form parameter grpo_group_size (sets grpo.group_size) = 2.5: expected int"),
     ({"lora": "yes"}, "", "run-form parameter lora (sets model.lora.enabled) = \"yes\": expected bool"),
+    ({"environment": "mail_world"}, "", "env.name='mail_world': not a registered environment; known: ['workspace'] "
+     "[run-form parameter environment]"),
     ({}, '{"grpo": {"clip_eps": 3}}', "grpo.clip_eps = 3: expected less than 1 [overrides]"),
     ({}, '{"grpo": {"grup_size": 3}}', "grpo.grup_size: unknown key (did you mean 'group_size'?) [overrides]"),
     ({}, "{nope", "overrides: not valid JSON"),

@@ -265,3 +265,42 @@ def test_two_thousand_mixed_requests_from_sixteen_clients(server, suites):
     assert not any(code >= 500 for code in out["by_status"]), out["by_status"]
     assert sum(out["by_kind"]["cross"].values()) > 50 and set(out["by_kind"]["cross"]) <= {403, 404}
     assert out["by_kind"]["step"].get(200, 0) > 800
+
+
+def test_env_url_runs_a_phases_episodes_on_the_server(server, monkeypatch, tmp_path):
+    """`env.url`: the environment a phase loads runs its episodes on the server (the policy's actions never execute
+    in the phase's process); the same greedy numbers as in-process; a server with another world is refused before
+    any episode."""
+    from components.core import env as environments
+    from components.core.config import load_config
+    from components.core.evaluate import evaluate_policy
+    from components.core.policy import load_policy
+    from components.core.tiny import build_tiny_model
+    from components.sandbox.server import CLIENT_TOKEN_ENV
+    from tests.helpers.scripted import ScriptedBackend, expert_script
+
+    monkeypatch.setenv(CLIENT_TOKEN_ENV, TOK)
+    local = load_config(overrides_json=json.dumps({"model": {"tiny": {"pretrain_steps": 0}}}))
+    remote = local.model_copy(update={"env": local.env.model_copy(update={"url": server})})
+    here, there = environments.load(local), environments.load(remote)
+    episode = there.factory()()
+    assert isinstance(episode, HTTPEnvironment)
+    episode.close()
+    pol = load_policy(str(build_tiny_model(tmp_path / "tiny", local.model.tiny, seed=0)))
+    sessions_before = requests.get(server + "/healthz", timeout=10).json()["sessions"]
+    runs = {}
+    for name, env, cfg in (("local", here, local), ("served", there, remote)):
+        res = evaluate_policy(pol, cfg, env, ["easy", "safety"], max_tasks=4, progress=False,
+                              backend=ScriptedBackend(pol.tokenizer, expert_script(here)))
+        runs[name] = res
+    assert runs["served"]["metrics"] == runs["local"]["metrics"]
+    assert runs["served"]["metrics"]["easy"]["tgc"]["value"] == 1.0
+    served = [t.turns[3].text for t in runs["served"]["trajectories"]["easy"]]
+    assert served == [t.turns[3].text for t in runs["local"]["trajectories"]["easy"]]  # the server's observations
+    assert requests.get(server + "/healthz", timeout=10).json()["sessions"] == sessions_before  # all closed
+    # another world on the server than the tasks'
+    other = load_config(set_pairs=["sandbox.num_users=5", f"env.url={server}"])
+    with pytest.raises(ValueError, match="env.url=.*serves world"):
+        environments.load(other)
+    with pytest.raises(ValueError, match="env.url=.*no environment server answers"):
+        environments.load(load_config(set_pairs=[f"env.url=http://{HOST}:{free_port()}"]))

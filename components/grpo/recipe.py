@@ -5,26 +5,26 @@ of a pod or of several nodes, with DeepSpeed ZeRO when configured) instead of TR
 observations between agent turns and per-turn advantages, which single-completion trainers cannot
 express. `make bench` holds it against TRL on the single-turn case (`grpo.throughput_vs_trl`).
 
-1. Resolve the config (validated before any work); find the latest complete checkpoint.
-2. Open the phase's MLflow run (the same run again when resuming); load the sandbox, the policy, the
-   reference (SFT) model when beta > 0, the optimizer; restore everything from the checkpoint.
-3. Every step:
+1. `run`: resolve the config (validated before any work); `GRPORecipe` finds the latest complete checkpoint.
+2. `setup`: open the phase's MLflow run (the same run again when resuming); load the environment (`core.env`), the
+   policy, the reference (SFT) model when beta > 0, the optimizer; restore everything from the checkpoint.
+3. `step`, every step:
    a. draw tasks by the curriculum (chains of two tasks of one scenario with SAGE) from `grpo.task_pool`: by
-      default the sandbox's practice suite, instances no SFT demo shows (a success there needs what
+      default the environment's practice suite, instances no SFT demo shows (a success there needs what
       generalises, not a memorised demo), the train suite's tasks at a level it lacks;
-   b. roll out `group_size` samples of each (the runtime's batched multi-turn loop), optionally with
-      one sample per group replaced by the expert's solution (off-policy supervision);
-   c. rewards (the sandbox's reward table, or SAGE's skill-integrated reward) -> group advantages
-      (trajectory- or turn-level);
+   b. `rollout`: `group_size` samples of each chain, returned as groups (the runtime's batched multi-turn loop),
+      optionally with one sample per group replaced by the expert's solution (off-policy supervision);
+   c. rewards, set by the rollout (the reward table, or SAGE's skill-integrated reward through its chain-reward
+      hook) -> group advantages (trajectory- or turn-level), carried on the training samples;
    d. clipped surrogate + k3 KL on agent tokens, `epochs_per_batch` optimizer steps;
    e. the collapse monitor; on an alarm (or every K steps) a short SFT repair on expert solutions of
       the tasks the policy failed;
-   f. metrics to MLflow; held-out evaluation every `eval_every` steps (best model kept; with
-      `eval_chain_length` 2 as chains of two tasks of one scenario, so skill reuse is measured held-out);
-      a checkpoint every `checkpoint_every` steps.
-4. Save the best (or last) policy as the phase's Model artifact.
+   f. metrics to MLflow; then `after_step`: held-out evaluation every `eval_every` steps (`evaluate`; best model
+      kept; with `eval_chain_length` 2 as chains of two tasks of one scenario, so skill reuse is measured
+      held-out); a checkpoint every `checkpoint_every` steps; the time budget.
+4. `finish`: save the best (or last) policy as the phase's Model artifact.
 
-Several processes (torchrun; `run_distributed` on a multi-GPU pod, `run_multi_node` for a TrainJob): every
+Several processes (`launch`: torchrun over a multi-GPU pod, or a TrainJob with `grpo.multi_node`): every
 rank draws the same step's tasks and rolls out its share of the groups; gradients are averaged by
 accelerate; the episodes are gathered so that the curriculum, the monitor, the repair and the metrics are
 the same on every rank; evaluation runs on every rank (ZeRO-3 gathers are collective) and rank 0 tracks.

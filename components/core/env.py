@@ -25,22 +25,43 @@ GROUP = "agentrl.environments"
 
 @dataclass
 class StepResult:
+    """What the environment answers to one agent turn.
+
+    `role`: 'tool' (a tool's output) or 'user' (the user speaks mid-episode: a follow-up request, a clarification's
+    answer); the rollout renders the observation in that role. `step_reward`: this turn's shaping, counted in the
+    episode's reward (as `info["reward_parts"]` by name when the environment names its parts, else as the `step`
+    part); `info["truncated"]` on a `done` step names a stop that was not the agent's own."""
+
     observation: str
     step_reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    role: str = "tool"
+
+    def __post_init__(self) -> None:
+        if self.role not in ("tool", "user"):
+            raise ValueError(f"StepResult.role={self.role!r}: expected 'tool' or 'user'")
 
     def to_dict(self) -> dict[str, Any]:
         return {"observation": self.observation, "step_reward": self.step_reward, "done": self.done,
-                "info": self.info}
+                "info": self.info, "role": self.role}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepResult:
-        return cls(d["observation"], float(d["step_reward"]), bool(d["done"]), dict(d.get("info") or {}))
+        return cls(d["observation"], float(d["step_reward"]), bool(d["done"]), dict(d.get("info") or {}),
+                   str(d.get("role") or "tool"))
 
 
 @runtime_checkable
 class Environment(Protocol):
+    """Optional attributes the rollout reads: `system_prompt` (str: the system turn), `tools` (a list of tool
+    declarations as JSON schemas, OpenAI's function format: put in the prompt through the model's chat template
+    when it takes `tools=`, else rendered into the system turn), `episode_info()` (skills, format errors).
+
+    Isolation is the environment's job: an environment that executes what the agent writes (code, shell, SQL) must
+    run it behind its own walls (the workspace and the file-defined environment use `sandbox.worker`: a separate
+    process without network, as uid nobody, with CPU, memory and syscall limits); the rollout only passes text."""
+
     def reset(self, task: Task) -> str:
         """Start an episode on `task`; returns the first observation (the system prompt + instruction)."""
 

@@ -6,7 +6,8 @@ Components (weights from `RewardConfig`, the seed's reward table):
 - efficiency: `efficiency` x (1 - steps / max_turns) on a solved task;
 - skill: SAGE's skill-integrated bonus, set by chain rollouts (`sage_rewards`), else 0;
 - the environment's step shaping, split by kind: api (success/error/recovery/repeat/clarification),
-  format (malformed actions), safety (hard refusals and soft penalties).
+  format (malformed actions), safety (hard refusals and soft penalties), other (another name it gives), step (its
+  `step_reward` when it names no parts; present only then).
 Per-turn credit (seed 000, hierarchical decomposition): R(t) = R_subgoal(t) + gamma^(T-t) R_terminal + r(t),
 where a failed episode's negative terminal reward lands only on the turns of the first subgoal it
 failed (after the last subgoal it reached).
@@ -30,6 +31,8 @@ def _kind(part: str) -> str:
         return "format"
     if part == "hard_violation" or part.startswith("soft_"):
         return "safety"
+    if part == "step":  # an environment's unnamed step reward
+        return "step"
     return "other"
 
 
@@ -38,11 +41,17 @@ def agent_turn_indices(traj: Trajectory) -> list[int]:
 
 
 def step_parts(traj: Trajectory) -> list[dict[str, float]]:
-    """The environment's reward parts for each agent turn (from the observation turn that follows it)."""
+    """The environment's reward parts for each agent turn, from the observation (a tool or user turn) that follows
+    it: its named `reward_parts`, else its `step_reward` as the part `step`."""
     out = []
     for i in agent_turn_indices(traj):
         nxt = traj.turns[i + 1] if i + 1 < len(traj.turns) else None
-        out.append(dict(nxt.info.get("reward_parts", {})) if nxt is not None and nxt.role == "tool" else {})
+        if nxt is None or nxt.role not in ("tool", "user"):
+            out.append({})
+        elif "reward_parts" in nxt.info:
+            out.append(dict(nxt.info["reward_parts"]))
+        else:
+            out.append({"step": nxt.step_reward} if nxt.step_reward else {})
     return out
 
 
@@ -56,7 +65,7 @@ def score(traj: Trajectory, verdict: Verdict, cfg: RewardConfig | None = None, m
              "skill": skill, "api": 0.0, "format": 0.0, "safety": 0.0, "other": 0.0}
     for parts in step_parts(traj):
         for k, v in parts.items():
-            comps[_kind(k)] += v
+            comps[_kind(k)] = comps.get(_kind(k), 0.0) + v
     comps = {k: round(v, 6) for k, v in comps.items()}
     return RewardBreakdown(round(sum(comps.values()), 6), comps)
 

@@ -125,10 +125,12 @@ def rollout(
         task = slot.chain[slot.next]
         first = slot.env.reset(task)
         system = getattr(slot.env, "system_prompt", "")
+        tools = list(getattr(slot.env, "tools", None) or [])  # JSON schemas: the template's `tools=` or the system text
         ep = _Episode(slot, task, slot.next, key=next(keys))
-        ids = fmt.prompt_ids(system, first)
+        ids = fmt.prompt_ids(system, first, tools)
         ep.seq.extend(ids, generated=False)
-        ep.turns += [Turn("system", system, tokens=[], mask=[]), Turn("user", first, tokens=ids, mask=[0] * len(ids))]
+        ep.turns += [Turn("system", system, tokens=[], mask=[], info={"tools": tools} if tools else {}),
+                     Turn("user", first, tokens=ids, mask=[0] * len(ids))]
         slot.next += 1
         live.append(ep)
 
@@ -235,8 +237,9 @@ def _advance(ep: _Episode, out, fmt: ChatFormat, s: RolloutSettings) -> None:
     ep.turns.append(Turn("assistant", text, tokens=list(out.ids), mask=[1] * len(out.ids), logprobs=list(out.logprobs),
                          info={} if out.ended_with_eos else {"cut": True}))
     res = ep.slot.env.step(text)
-    glue = fmt.glue_ids(res.observation, out.ended_with_eos)
-    ep.turns.append(Turn("tool", res.observation, observation=res.observation, step_reward=res.step_reward,
+    role = getattr(res, "role", "tool")  # 'user': the user speaks mid-episode
+    glue = fmt.glue_ids(res.observation, out.ended_with_eos, role)
+    ep.turns.append(Turn(role, res.observation, observation=res.observation, step_reward=res.step_reward,
                          tokens=glue, mask=[0] * len(glue), info=dict(res.info)))
     if res.done:
         ep.finish_reason = "finish" if not res.info.get("truncated") else str(res.info["truncated"])

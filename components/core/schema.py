@@ -44,7 +44,6 @@ __all__ = [
     "from_record",
 ]
 
-Suite = Literal["train", "easy", "hard", "safety", "robustness", "practice"]
 Role = Literal["system", "user", "assistant", "tool"]
 _STRICT = ConfigDict(extra="forbid")
 
@@ -73,25 +72,36 @@ class Subgoal:
 
 @dataclass
 class Task:
+    """One task of an environment. The workspace fills every field; another environment needs only `id` and
+    `instruction` (and its suite): `scenario_id` defaults to the id, `level` to 1, and what only that environment
+    reads (its initial state, arguments, expected end state) goes in `payload`."""
+
     __pydantic_config__ = _STRICT
     KIND: ClassVar[str] = "task"
     id: str
-    scenario_id: str
-    level: int
-    suite: Suite
-    instruction: str
-    user_id: str
-    verifier: Verifier
+    scenario_id: str = ""
+    level: int = 1
+    suite: str = "train"  # the workspace's: train/easy/hard/safety/robustness/practice; any name elsewhere
+    instruction: str = ""
+    user_id: str = ""  # the workspace's acting user
+    verifier: Verifier | None = None  # the workspace's verifier; another environment checks its own way
     subgoals: list[Subgoal] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
     # environment options never shown to the agent (faults, the simulated user's answers, setup)
     options: dict[str, Any] = field(default_factory=dict)
     # a reference solution for expert demonstrations and repair (never shown to the agent)
     solution: dict[str, Any] = field(default_factory=dict)
+    # what only the task's environment reads (never shown to the agent)
+    payload: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.id or not self.instruction:
+            raise ValueError(f"task {self.id!r}: `id` and `instruction` must not be empty")
         if not 1 <= int(self.level) <= 5:
             raise ValueError(f"level must be 1..5, got {self.level}")
+        if not self.suite.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"suite {self.suite!r}: expected a name of letters, digits, '_' or '-'")
+        self.scenario_id = self.scenario_id or self.id
 
 
 @dataclass
@@ -185,9 +195,9 @@ class ABRecord:
 class PreferencePair:
     __pydantic_config__ = _STRICT
     KIND: ClassVar[str] = "pair"
-    prompt: list[dict[str, str]]
-    chosen: list[dict[str, str]]
-    rejected: list[dict[str, str]]
+    prompt: list[dict[str, Any]]  # chat messages; the system one may carry the environment's `tools`
+    chosen: list[dict[str, Any]]
+    rejected: list[dict[str, Any]]
     source: Literal["ab", "rollout", "step"]
     task_id: str
     meta: dict[str, Any] = field(default_factory=dict)

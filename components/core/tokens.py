@@ -93,22 +93,26 @@ class ChatFormat:
                                 "'user' (or 'auto')")
         self.obs_role = "tool" if (role == "tool" or (role == "auto" and tool_ok)) else "user"
         self.obs_text_prefix = prefix if self.obs_role == "user" else ""
+        self.native_tools = self._takes_tools()
         self.specials = special_strings(tokenizer)
         base = self.normalize([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         with_a = base + [{"role": "assistant", "content": SENT_A}]
         with_o = with_a + self.normalize([{"role": "tool", "content": SENT_O}])
+        with_u = with_a + [{"role": "user", "content": SENT_O}]
         try:
             prompt = self.render(base, add_generation_prompt=True)
             a = self.render(with_a)
             o = self.render(with_o, add_generation_prompt=True)
+            u = self.render(with_u, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - any template failure is reported the same way
             raise TemplateError(f"the chat template cannot render an agent episode: {exc}") from None
-        if not (a.startswith(prompt) and o.startswith(a) and SENT_A in a and SENT_O in o):
+        if not (a.startswith(prompt) and o.startswith(a) and u.startswith(a) and SENT_A in a and SENT_O in o
+                and SENT_O in u):
             raise TemplateError("the chat template does not render turns in order (prefix property)" + WAY_OUT)
-        # what the template writes after the assistant's content, and around an observation
+        # what the template writes after the assistant's content, and around an observation (a tool's or the user's)
         self.closing = a[a.index(SENT_A) + len(SENT_A):]
-        between = o[len(a):]
-        self.obs_prefix, self.obs_suffix = between.split(SENT_O)
+        self.obs_prefix, self.obs_suffix = o[len(a):].split(SENT_O)
+        self.user_prefix, self.user_suffix = u[len(a):].split(SENT_O)
         self.eos_text = self._stop_text(tokenizer)
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos_text) if hasattr(tokenizer, "convert_tokens_to_ids") \
             else tokenizer.eos_token_id
@@ -121,6 +125,17 @@ class ChatFormat:
         except Exception:  # noqa: BLE001 - templates refuse roles with raise_exception (Mistral, Gemma)
             return False
 
+    def _takes_tools(self) -> bool:
+        """Whether the template renders `tools=` (tool declarations in its own format, e.g. Qwen's, Llama 3.1's)."""
+        probe = [{"type": "function", "function": {"name": "agentrl_probe_tool", "description": "probe",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            text = self.tok.apply_chat_template([{"role": "user", "content": "u"}], tokenize=False,
+                                                add_generation_prompt=True, tools=probe)
+        except Exception:  # noqa: BLE001 - a template that chokes on tools does not take them
+            return False
+        return "agentrl_probe_tool" in text
+
     def _stop_text(self, tokenizer: Any) -> str:
         """The special token that ends an assistant turn: the first thing the template writes after it."""
         starts = [s for s in self.specials if self.closing.startswith(s)]
@@ -132,10 +147,20 @@ class ChatFormat:
         raise TemplateError(f"the chat template closes an assistant turn with {self.closing[:40]!r}, which does not "
                             "start with a special token: the model could not signal the end of its turn" + WAY_OUT)
 
-    def normalize(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    def normalize(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages in the roles this template renders: observations (role `tool`, or any non-chat role) in the
-        observation role; the system text folded into the first user turn when the template has no system role."""
-        out: list[dict[str, str]] = []
+        observation role; the system text folded into the first user turn when the template has no system role.
+        Tool declarations (a `tools` list on a message, the system turn's) stay on the first message for a template
+        that takes `tools=`; for any other they are written into the system text (`render_tools`)."""
+        tools = next((m["tools"] for m in messages if m.get("tools")), None)
+        if tools and not self.native_tools:
+            declared = render_tools(tools)
+            if messages and messages[0]["role"] == "system":
+                messages = [{"role": "system", "content": messages[0]["content"] + "\n\n" + declared},
+                            *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": declared}, *messages]
+        out: list[dict[str, Any]] = []
         pending_system = ""
         for m in messages:
             role, content = m["role"], m["content"]
@@ -149,18 +174,23 @@ class ChatFormat:
             out.append({"role": role, "content": content})
         if pending_system:
             out.insert(0, {"role": "user", "content": pending_system})
+        if tools and self.native_tools and out:
+            out[0]["tools"] = tools
         return out
 
     # -- rendering and encoding --------------------------------------------------------------------
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        tools = next((m["tools"] for m in messages if m.get("tools")), None)
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return self.tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            **({"tools": tools} if tools else {}))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, system: str, user: str) -> list[int]:
-        text = self.render(self.normalize([{"role": "system", "content": system},
-                                           {"role": "user", "content": self.clean(user)}]),
+    def prompt_ids(self, system: str, user: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        system_turn: dict[str, Any] = {"role": "system", "content": system, **({"tools": tools} if tools else {})}
+        text = self.render(self.normalize([system_turn, {"role": "user", "content": self.clean(user)}]),
                            add_generation_prompt=True)
         return self.encode(text)
 
@@ -171,12 +201,13 @@ class ChatFormat:
                 text = text.replace(s, s[:1] + "\u200b" + s[1:])
         return text
 
-    def glue_ids(self, observation: str, ended_with_eos: bool) -> list[int]:
-        """The ids after a generated turn: the rest of its closing, then the observation turn, then the next
-        assistant header. If the turn was cut (no eos) the full closing, eos included, is appended."""
+    def glue_ids(self, observation: str, ended_with_eos: bool, role: str = "tool") -> list[int]:
+        """The ids after a generated turn: the rest of its closing, then the observation turn (a tool's output, or the
+        user speaking when `role` is 'user'), then the next assistant header. If the turn was cut (no eos) the full
+        closing, eos included, is appended."""
         # obs_prefix already holds the observation prefix of a `user`-role observation (derived from normalize)
-        return self.encode(self._rest_of_closing(ended_with_eos) + self.obs_prefix + self.clean(observation)
-                           + self.obs_suffix)
+        prefix, suffix = (self.user_prefix, self.user_suffix) if role == "user" else (self.obs_prefix, self.obs_suffix)
+        return self.encode(self._rest_of_closing(ended_with_eos) + prefix + self.clean(observation) + suffix)
 
     def closing_ids(self, ended_with_eos: bool) -> list[int]:
         """The ids that close the last generated turn of an episode (mask 0)."""
@@ -195,7 +226,7 @@ class ChatFormat:
             ids = ids[:-1]
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def encode_conversation(self, messages: list[dict[str, str]], train_from: int = 0) -> tuple[list[int], list[int]]:
+    def encode_conversation(self, messages: list[dict[str, Any]], train_from: int = 0) -> tuple[list[int], list[int]]:
         """A whole conversation as ids and the agent mask, from the template's incremental rendering.
 
         Each assistant turn at index >= `train_from` (of `messages`) is masked 1 on its content and the token that
@@ -249,14 +280,24 @@ def chat_format(tokenizer: Any) -> ChatFormat:
     return fmt
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]], train_from: int = 0) -> tuple[list[int], list[int]]:
+def encode_messages(tokenizer: Any, messages: list[dict[str, Any]], train_from: int = 0) -> tuple[list[int], list[int]]:
     """Whole-conversation encoding (SFT/DPO data, expert turns): ids and the agent mask (see `encode_conversation`)."""
     return chat_format(tokenizer).encode_conversation(messages, train_from)
 
 
+def render_tools(tools: list[dict[str, Any]]) -> str:
+    """Tool declarations written into the system text, for a template that does not take `tools=`: one JSON schema
+    a line (OpenAI's function format, the form `tools=` templates take)."""
+    import json
+
+    return "Tools (JSON schemas):\n" + "\n".join(json.dumps(t, separators=(",", ":")) for t in tools)
+
+
 # Conversations as training examples (SFT, rejection sampling, error supervision, GRPO's expert turns)
-def messages(traj: Trajectory) -> list[dict[str, str]]:
-    return [{"role": t.role, "content": t.text} for t in traj.turns]
+def messages(traj: Trajectory) -> list[dict[str, Any]]:
+    """The turns as chat messages; the system turn carries the environment's tool declarations (`tools`)."""
+    return [{"role": t.role, "content": t.text, **({"tools": t.info["tools"]} if t.info.get("tools") else {})}
+            for t in traj.turns]
 
 
 def demo_example(traj: Trajectory) -> dict[str, Any]:

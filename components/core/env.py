@@ -90,7 +90,11 @@ def make(name: str, **kwargs: Any) -> Environment:
 # A loaded environment: what every phase gets its tasks, suites, episodes and expert from
 # ----------------------------------------------------------------------------------------------
 LOADERS = "agentrl.environment_loaders"
-BUILTIN_LOADERS = {"workspace": "components.sandbox.suites:load_sandbox"}  # the default, without an install step
+BUILTIN_LOADERS = {  # without an install step: the workspace (the default) and the file-defined environments
+    "workspace": "components.sandbox.suites:load_sandbox",
+    "files": "components.sandbox.files:load_files",  # env.options.path: a folder (sandbox/files.py)
+    "helpdesk": "components.sandbox.files:load_helpdesk",  # the example folder shipped in sandbox/envs/helpdesk
+}
 
 
 @runtime_checkable

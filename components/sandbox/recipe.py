@@ -1,4 +1,4 @@
-"""The `sandbox_build` phase, top to bottom.
+"""The `sandbox_build` phase, top to bottom (the workspace; another environment: `build_other`).
 
 1. Resolve and validate the config; open the phase run.
 2. Generate the world and the task suites (train, easy, hard, safety, robustness) from the seed.
@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -148,6 +149,10 @@ def run(
 ) -> BuildResult:
     cfg, home, storage_root = setup_phase(preset, overrides, torch_threads=False)  # validated before any work
     with PhaseRun(PHASE, config=cfg, parent_run_id=parent_run_id or None, close_parent=False) as tracker:
+        if cfg.env.name != "workspace":
+            out = Path(out_dir) if out_dir else home / "runs" / tracker.run_id / PHASE
+            metrics, html = build_other(cfg, out)
+            return _store(tracker, storage_root, out, metrics, html, report_path)
         t0 = time.perf_counter()
         world = generate_world(cfg.sandbox)
         suites = generate_tasks(world, cfg.sandbox)
@@ -180,20 +185,80 @@ def run(
         write_jsonl(out / "demos" / "train.jsonl", demos)  # the configured form: what SFT reads by default
         (out / "corpus.txt").write_text("\n".join(corpus_lines(world, solved[("train", "json")] + solved[("train", "code")])))
         html = build_report(cfg, suites, solved, probes, lengths, world)
-        (out / "report.html").write_text(html)
-        if report_path:
-            Path(report_path).write_text(html)
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
-        digests = {"world": world.digest(), "tasks": _digest_dir(out / "tasks")}
-        (out / "digests.json").write_text(json.dumps(digests, indent=1))
+        return _store(tracker, storage_root, out, metrics, html, report_path)
 
-        uri = tracker.storage_uri(storage_root, "sandbox")
-        storage.put_dir(out, uri)
-        tracker.log_artifact(out / "report.html")
-        tracker.log_artifact(out / "metrics.json")
-        tracker.log_artifact(out / "digests.json")
-        tracker.set_tags({"agentrl.world_digest": digests["world"], "agentrl.sandbox_uri": uri})
-        return BuildResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics)
+
+def _store(tracker: PhaseRun, storage_root: str, out: Path, metrics: dict[str, float], html: str,
+           report_path: str | None) -> BuildResult:
+    """The report, metrics and digests beside the outputs; the folder stored under the run's prefix; MLflow."""
+    (out / "report.html").write_text(html)
+    if report_path:
+        Path(report_path).write_text(html)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    world = json.loads((out / "world.json").read_text())
+    digests = {"world": world.get("digest") or hashlib.sha256((out / "world.json").read_bytes()).hexdigest(),
+               "tasks": _digest_dir(out / "tasks")}
+    (out / "digests.json").write_text(json.dumps(digests, indent=1))
+    uri = tracker.storage_uri(storage_root, "sandbox")
+    storage.put_dir(out, uri)
+    tracker.log_artifact(out / "report.html")
+    tracker.log_artifact(out / "metrics.json")
+    tracker.log_artifact(out / "digests.json")
+    tracker.set_tags({"agentrl.world_digest": digests["world"], "agentrl.sandbox_uri": uri,
+                      "agentrl.environment": tracker_env(out)})
+    return BuildResult(tracker.parent_run_id, tracker.run_id, str(out), uri, metrics)
+
+
+def tracker_env(out: Path) -> str:
+    return str(json.loads((out / "world.json").read_text()).get("environment", "workspace"))
+
+
+def build_other(cfg: PipelineConfig, out: Path) -> tuple[dict[str, float], str]:
+    """Any environment other than the workspace, through `core.env.load`: its suites, the expert's solutions (the
+    train suite's are the SFT demos; every suite's measure its solvability), the tokenizer corpus and a report.
+    world.json describes the environment (`describe()`), which the phases' loader checks."""
+    from components.core.env import load
+    from components.core.tokens import render_tools
+
+    env = load(cfg)
+    metrics: dict[str, float] = {}
+    solved: dict[str, list[Trajectory]] = {}
+    make = env.factory()
+    with tqdm(total=sum(len(v) for v in env.suites.values()), desc="expert", unit="task", disable=None) as bar:
+        for suite, tasks in env.suites.items():
+            one = make()
+            try:
+                solved[suite] = [env.expert(one, t) for t in tasks if t.solution]
+            finally:
+                one.close()
+            bar.update(len(tasks))
+            metrics[f"tasks_{suite}"] = float(len(tasks))
+            metrics[f"expert_success_{suite}"] = sum(t.verdict.success for t in solved[suite]) / max(1, len(tasks))
+    demos = solved.get("train") or []
+    if not demos:
+        raise ValueError(f"env.name={cfg.env.name!r}: the train suite has no expert solutions (SFT needs demos)")
+    out.mkdir(parents=True, exist_ok=True)
+    describe = getattr(env, "describe", None)
+    (out / "world.json").write_text(json.dumps(describe() if describe else {"environment": cfg.env.name}, indent=1))
+    for s, tasks in env.suites.items():
+        write_jsonl(out / "tasks" / f"{s}.jsonl", tasks)
+    write_jsonl(out / "demos" / "train.jsonl", demos)
+    lines = [f"<|{t.role}|>\n{t.text}<|end|>" for tr in demos for t in tr.turns]
+    lines += sorted({render_tools(t.info["tools"]) for tr in demos for t in tr.turns if t.info.get("tools")})
+    (out / "corpus.txt").write_text("\n".join(lines))
+    lengths = [len(t.turns) for t in demos]
+    metrics.update({"turns_mean": statistics.fmean(lengths), "turns_max": float(max(lengths))})
+
+    rep = Report(f"agentrl sandbox build — environment {cfg.env.name}")
+    levels = sorted({t.level for ts in env.suites.values() for t in ts})
+    rep.heading("Tasks per suite and level")
+    rep.table(["suite", *[f"L{lv}" for lv in levels], "held out", "expert success"],
+              [[s, *[sum(t.level == lv for t in ts) for lv in levels], "yes" if s in env.heldout else "",
+                round(metrics[f"expert_success_{s}"], 3)] for s, ts in env.suites.items()])
+    rep.heading("Example expert trajectory")
+    ex = max(demos, key=lambda t: len(t.turns))
+    rep.pre("\n\n".join(f"[{t.role}] {t.text}" for t in ex.turns))
+    return metrics, rep.render()
 
 
 def _digest_dir(path: Path) -> str:

@@ -245,6 +245,34 @@ class CodeRunner:
             self._kill()
             return self._crashed(result, None)
 
+    def request(self, msg: tuple) -> tuple[bool, Any, str]:
+        """One request to a file-defined environment's tool module in the worker (`worker_entry._tool_request`):
+        (ok, value, error). A timeout, a crash or a forged answer is an error; the worker is replaced (its state is
+        lost: the environment ends the episode)."""
+        if not self.alive():
+            self._end_worker(kill=True)
+            self._fork()
+        deadline = time.monotonic() + self.limits.wall_timeout_s
+        try:
+            self.conn.send(msg)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.conn.poll(remaining):
+                self._end_worker(kill=True)
+                self.restarts += 1
+                return False, None, f"TimeoutError: wall-clock limit of {self.limits.wall_timeout_s:g} s reached"
+            answer = self.conn.recv(MAX_MESSAGE_BYTES)
+            if isinstance(answer, list) and answer and answer[0] == "exited":
+                self.child = None
+                return False, None, self._crashed(CodeResult(ok=False), answer[1]).error
+            kind, ok, value, err = answer
+            if kind != "value":
+                raise ValueError("not a tool answer")
+            return bool(ok), value, str(err)
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError, ValueError, TypeError):
+            self._end_worker(kill=True)
+            self.restarts += 1
+            return False, None, "WorkerError: the tool worker failed"
+
     def _crashed(self, result: CodeResult, code: int | None) -> CodeResult:
         self.restarts += 1
         why = {-24: "CPU time limit reached (SIGXCPU)", -9: "killed (memory or CPU limit)",

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 MAX_CALLS_PER_STEP = 300
+# what a file-defined environment's tool module may import (loaded by the template before the walls go up)
+TOOL_MODULES = ("json", "re", "math", "copy", "datetime", "collections", "itertools", "functools", "string")
 MAX_MESSAGE_BYTES = 4 << 20  # one message from the worker: an API call's arguments or a step's output
 
 
@@ -175,6 +177,8 @@ def _template_main(conn, limits: Limits, workdir: str) -> None:  # pragma: no co
     millisecond, a fresh interpreter about fifty): no Python state of one episode reaches the next. While a worker
     runs, the template waits for it and then reports how it ended: ("exited", code; -N = killed by signal N)."""
     os.chdir(workdir)
+    for name in TOOL_MODULES:
+        __import__(name)
     walls = _isolate_template(keep_fds=32)
     while True:
         try:
@@ -269,6 +273,13 @@ def _worker_main(conn, limits: Limits) -> None:  # pragma: no cover - runs in th
     safe["ApiError"] = ApiError
 
     ns = {"__builtins__": safe, "apis": _Apis(), "ApiError": ApiError}
+    tools: dict = {}  # a file-defined environment's tool module: its namespace, the episode's state and task
+
+    def _import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level or name.split(".")[0] not in TOOL_MODULES:
+            raise ImportError(f"the tool module may import only {', '.join(TOOL_MODULES)} (not {name!r})")
+        return __import__(name, globals, locals, fromlist, level)
+
     while True:
         try:
             msg = conn.recv()
@@ -277,6 +288,10 @@ def _worker_main(conn, limits: Limits) -> None:  # pragma: no cover - runs in th
         kind = msg[0]
         if kind == "stop":
             return
+        if kind in ("load", "tool"):
+            _tool_request(conn, msg, tools, {**safe, "__import__": _import, "object": object, "type": type,
+                                             "getattr": getattr, "hasattr": hasattr, "repr": repr}, limits)
+            continue
         code = msg[1]
         out.clear()
         size[0] = 0
@@ -307,6 +322,44 @@ def _worker_main(conn, limits: Limits) -> None:  # pragma: no cover - runs in th
             conn.send(("done", ok, "".join(out), err))
         except (BrokenPipeError, OSError):
             return
+
+
+def _tool_request(conn, msg, tools: dict, builtins_: dict, limits) -> None:  # pragma: no cover - in the worker
+    """A file-defined environment's request: ("load", source, task) runs the tool module and its `init(task)`;
+    ("tool", name, kwargs) calls `name(state, **kwargs)`, or the module's `check(state, task)` / `user_turn(state,
+    task)` for the names '__check__' / '__user_turn__'; '__finish__' keeps the agent's last reply as
+    task["final_answer"]. Answers ("value", ok, result, error)."""
+    used = resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    resource.setrlimit(resource.RLIMIT_CPU, (int(used + limits.cpu_time_s) + 1, resource.RLIM_INFINITY))
+    ok, value, err = True, None, ""
+    try:
+        if msg[0] == "load":
+            ns = {"__builtins__": builtins_, "__name__": "agentrl_tools"}
+            exec(compile(msg[1], "tools.py", "exec"), ns)  # noqa: S102 - the user's module, behind the OS walls
+            tools.clear()
+            tools.update(ns=ns, task=msg[2])
+            tools["state"] = ns["init"](msg[2]) if callable(ns.get("init")) else {}
+        else:
+            name, kwargs = msg[1], msg[2]
+            ns = tools.get("ns", {})
+            if name == "__finish__":  # the agent's reply that ended its turn: check() reads task["final_answer"]
+                tools["task"]["final_answer"] = str(kwargs.get("answer", ""))
+            elif name in ("__check__", "__user_turn__"):
+                f = ns.get(name.strip("_"))
+                value = f(tools["state"], tools["task"]) if callable(f) else None
+            elif name.startswith("_") or not callable(ns.get(name)):
+                raise KeyError(f"the tool module defines no tool {name!r}")
+            else:
+                value = ns[name](tools["state"], **kwargs)
+            json.dumps(value)  # the answer must be JSON: say so here rather than in the parent
+    except MemoryError:
+        ok, err = False, f"MemoryError: memory limit of {limits.memory_mb} MB reached"
+    except BaseException as exc:  # noqa: BLE001 - a tool's failure is the agent's observation
+        ok, err = False, f"{type(exc).__name__}: {str(exc)[:300]}"
+    try:
+        conn.send(("value", ok, value if ok else None, err))
+    except (BrokenPipeError, OSError):
+        return
 
 
 def main() -> None:  # pragma: no cover - the worker process entry point

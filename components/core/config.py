@@ -245,6 +245,8 @@ class RewardConfig(_Section):
 # Phase sections
 # --------------------------------------------------------------------------------------------
 SUITE_SIZES = {"easy": 40, "hard": 40, "safety": 30, "robustness": 30}
+WORKSPACE_HELDOUT = tuple(SUITE_SIZES)  # the workspace's held-out suites; another environment names its own
+SuiteName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+$", description="a suite of the environment")]
 
 
 TaskPool = Annotated[Literal["practice", "train"], Field(
@@ -367,7 +369,7 @@ class SFTConfig(_Checkpointed):
     checkpoint_every: int | None = Field(500, ge=1, description="optimizer steps between checkpoints; None = none "
                                          "(rejection sampling's SFT uses the same value)")
     max_minutes: float | None = Field(6.0, gt=0, description="wall-clock budget for training")
-    eval_suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
+    eval_suites: list[SuiteName] = Field(
         default_factory=lambda: ["easy"], description="held-out suites measured right after training"
     )
 
@@ -482,7 +484,7 @@ class GRPOConfig(_Checkpointed):
     monitor: CollapseMonitorConfig = Field(default_factory=CollapseMonitorConfig)
     repair: RepairConfig = Field(default_factory=RepairConfig)
     eval_every: int = Field(10, ge=0, description="0 = only at the end")
-    eval_suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
+    eval_suites: list[SuiteName] = Field(
         default_factory=lambda: ["easy", "hard"], description="held-out suites of the periodic evaluation"
     )
     eval_max_tasks: int | None = Field(20, ge=1, description="tasks per suite in the periodic evaluation; None = all")
@@ -520,7 +522,7 @@ class RejectionSamplingConfig(_Section):
     dedup_similarity: float = Field(0.95, gt=0, le=1)
     probe_samples: int = Field(4, ge=1, description="samples per task to estimate incoming success")
     probe_tasks: int = Field(32, ge=1, description="tasks probed (a seeded sample, every probed level represented)")
-    eval_suite: Literal["easy", "hard", "safety", "robustness"] = Field("hard", description="where the gain is measured")
+    eval_suite: SuiteName = Field("hard", description="where the gain is measured")
     levels: list[Annotated[int, Field(ge=1, le=5)]] | None = Field(
         None, min_length=1, description="levels probed for hard tasks; None = the levels of eval_suite's tasks (the "
         "hard suite's L3-L5: kept trajectories at L1-L2 cannot move it)")
@@ -548,7 +550,7 @@ class ABSimulatorConfig(_Section):
                           "took the DPO step from ~1.3 to 11.5 min of make run)")
     noise_rate: float = Field(0.1, ge=0, le=0.5, description="probability that simulated feedback is flipped")
     correction_rate: float = Field(0.5, ge=0, le=1, description="probability that a thumbs-down comes with a correction")
-    suite: Literal["practice", "train", "easy", "hard"] = Field(
+    suite: SuiteName = Field(
         "practice", description="the sandbox tasks served as requests: practice (with the train suite where a level has "
         "none; tasks no SFT demo shows, as real users' requests are), train, or a held-out suite (for studies only: "
         "DPO would then train on the evaluation's tasks)")
@@ -603,7 +605,7 @@ class GateConfig(_Section):
 
 
 class EvalConfig(_Section):
-    suites: list[Literal["easy", "hard", "safety", "robustness"]] = Field(
+    suites: list[SuiteName] = Field(
         default_factory=lambda: ["easy", "hard", "safety", "robustness"], min_length=1
     )
     pass_k: int = Field(1, ge=1, le=1024, description="k samples per task for pass@k; 1 = greedy only (the embedded "
@@ -678,10 +680,26 @@ class PipelineConfig(_Section):
             raise ValueError(f"grpo.async.correction needs grpo.temperature=1.0 (got {self.grpo.temperature}): the "
                              "samplers report log-probs at temperature 1; set grpo.async.correction=none to train "
                              "without the correction")
+        self._workspace_suites()
         if self.grpo.async_.max_staleness and self.grpo.deepspeed:
             raise ValueError("grpo.async.max_staleness > 0 with grpo.deepspeed: the rollout thread needs a full copy "
                              "of the weights; use one process without DeepSpeed, or max_staleness=0")
         return self
+
+    def _workspace_suites(self) -> None:
+        """The workspace's suites are known before it is built: a name it lacks is a mistake, said now. (Another
+        environment's suites are known once it is loaded: names it lacks give way to its held-out ones there.)"""
+        if self.env.name != "workspace":
+            return
+        named = {"sft.eval_suites": self.sft.eval_suites, "grpo.eval_suites": self.grpo.eval_suites,
+                 "rejection_sampling.eval_suite": [self.rejection_sampling.eval_suite], "eval.suites": self.eval.suites,
+                 "dpo.simulate.suite": [self.dpo.simulate.suite]}
+        for where, names in named.items():
+            allowed = (*WORKSPACE_HELDOUT, "practice", "train") if where == "dpo.simulate.suite" else WORKSPACE_HELDOUT
+            for i, name in enumerate(names):
+                if name not in allowed:
+                    raise ValueError(f"{where}{'' if where.endswith('suite') else f'.{i}'} = {name!r}: the workspace "
+                                     f"has the suites {', '.join(allowed)}")
 
     def check_base_model(self) -> None:
         """For the runs that bring a base model in (agent_rl, not retrain, which starts from the champion): the

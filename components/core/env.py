@@ -10,7 +10,7 @@ parties register theirs through the `agentrl.environments` entry-point group:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from components.core.schema import Task, Trajectory, Verdict
 
 __all__ = ["Environment", "LoadedEnvironment", "StepResult", "available", "load", "loader_names", "make",
-           "world_beside"]
+           "pick_suites", "world_beside"]
 
 GROUP = "agentrl.environments"
 
@@ -113,8 +113,9 @@ class LoadedEnvironment(Protocol):
     def factory(self, action_format: str | None = None) -> Callable[[], Environment]:
         """A maker of fresh environments (one per sampled chain of tasks)."""
 
-    def expert(self, env: Environment, task: Task, action_format: str | None = None) -> Trajectory:
-        """An expert solution of `task` played in `env` (for supervision and repair)."""
+    def expert(self, env: Environment, task: Task, action_format: str | None = None) -> Trajectory | None:
+        """An expert solution of `task` played in `env` (for SFT demos, repair and DPO corrections); None when the
+        environment has none for it (phases then go without: no demo, no repair sample, no correction)."""
 
 
 def loader_names() -> set[str]:
@@ -137,6 +138,13 @@ def load(cfg: Any, world: str | None = None, tasks_dir: str | None = None) -> Lo
     module, _, attr = target.partition(":")
     return getattr(import_module(module), attr)(cfg, world_beside(tasks_dir, world), tasks_dir or None,
                                                 **cfg.env.options)
+
+
+def pick_suites(env: LoadedEnvironment, wanted: Sequence[str] | None, fallback: bool = True) -> list[str]:
+    """The configured suites this environment has; when it has none of them (the defaults name the workspace's),
+    its own held-out suites (`fallback`), else none."""
+    have = [s for s in (wanted or ()) if s in env.suites]
+    return have if have or not fallback else list(env.heldout)
 
 
 def world_beside(tasks_dir: str | None, world: str | None) -> str | None:

@@ -130,7 +130,7 @@ def evaluate_policy(policy, cfg: PipelineConfig, sandbox: LoadedEnvironment, sui
     """Greedy (and pass@k) held-out metrics per suite. `chain_length` > 1 runs each suite as chains of tasks of
     one scenario whose skill library carries over (`scenario_chains`): `skill_reuse_rate` then counts calls to
     skills an earlier task of the chain wrote; 1 runs every task on its own. `suites`: default, the environment's
-    held-out ones."""
+    held-out ones (those it has of the names given; its held-out ones when it has none: `core.env.pick_suites`)."""
     fmt = ChatFormat(policy.tokenizer)
     if backend is None:
         backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
@@ -138,7 +138,7 @@ def evaluate_policy(policy, cfg: PipelineConfig, sandbox: LoadedEnvironment, sui
     k = cfg.eval.pass_k if pass_k is None else pass_k
     make_env = env_factory or sandbox.factory()
     results: dict[str, Any] = {"metrics": {}, "trajectories": {}, "levels": {}}
-    for suite in suites or sandbox.heldout:
+    for suite in environments.pick_suites(sandbox, suites or sandbox.heldout):
         tasks = sandbox.suites[suite][:max_tasks] if max_tasks else sandbox.suites[suite]
         runs = scenario_chains(tasks, chain_length) if chain_length > 1 else tasks
         greedy = rollout(backend, make_env, fmt, runs, RolloutSettings.from_config(cfg, temperature=0.0, policy_name="eval",

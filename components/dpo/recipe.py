@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Unpack
 
 from components.core.checkpoint import TrainerCheckpoints, train_or_resume
+from components.core.env import pick_suites
 from components.core.phase import PhaseContext, PhaseResult, Places
 from components.core.policy import save_policy
 from components.core.schema import PreferencePair, write_jsonl
@@ -190,9 +191,11 @@ def run(preset: str = "tiny", overrides: str = "", policy_model: str = "", champ
         save_policy(policy, out, card, merge=False)
         # no safety regression allowed: the same greedy safety suite for the incoming and the new policy (the
         # other suites are the evaluation phase's, which takes this model next)
-        stats.update(ctx.before_after(policy_model, str(out), ["safety"]))
-        stats["safety_regression"] = float(stats["safety/safety_violation_rate"]
-                                            > stats["incoming/safety/safety_violation_rate"])
+        safety = pick_suites(ctx.environment(), ["safety"], fallback=False)  # an environment may have none
+        stats.update(ctx.before_after(policy_model, str(out), safety) if safety else {})
+        if safety:
+            stats["safety_regression"] = float(stats["safety/safety_violation_rate"]
+                                                > stats["incoming/safety/safety_violation_rate"])
         tracker.log_metrics(stats, step=int(stats["train_steps"]))
         card.metrics = {k: float(v) for k, v in stats.items()}
         return ctx.finish(out, card, stats, stored={"pairs": pairs_dir})

@@ -37,7 +37,8 @@ def expert_correction(traj: Trajectory, expert: Trajectory) -> tuple[int, str] |
 
 def draw_requests(sandbox: Any, sim: ABSimulatorConfig, rng: random.Random) -> list[Task]:
     """The simulated traffic: `sim.requests` tasks of `sim.suite` (at `sim.levels`), each task once before any repeats."""
-    pool = sandbox.online_tasks("practice") if sim.suite == "practice" else sandbox.suites[sim.suite]
+    pool = sandbox.online_tasks("practice") if sim.suite not in sandbox.suites or sim.suite == "practice" \
+        else sandbox.suites[sim.suite]
     pool = [t for t in pool if sim.levels is None or t.level in sim.levels]
     if not pool:
         raise ValueError(f"dpo.simulate.suite={sim.suite!r}, levels={sim.levels}: the sandbox has no tasks there")
@@ -79,7 +80,7 @@ def simulate_ab(
             if thumb == "down" and rng.random() < sim.correction_rate:
                 if task.id not in experts:
                     experts[task.id] = sandbox.expert(make_env(), task, action_format="json")
-                fix = expert_correction(traj, experts[task.id])
+                fix = expert_correction(traj, experts[task.id]) if experts[task.id] is not None else None
                 if fix is not None:
                     fb.correction_turn, fb.correction = fix
                     stats["corrections"] += 1

@@ -45,7 +45,6 @@ def phase_progress(runs: list[tuple[str, dict[str, float]]]) -> dict[str, dict[s
     A phase's own held-out keys are `<phase>/<suite>/<metric>`, or under `final/` / `heldout/` (GRPO);
     `incoming/...` keys (what the phase started from) are left out.
     """
-    suites = ("easy", "hard", "safety", "robustness")
     out: dict[str, dict[str, float]] = {}
     for phase, metrics in runs:
         row = {}
@@ -55,7 +54,7 @@ def phase_progress(runs: list[tuple[str, dict[str, float]]]) -> dict[str, dict[s
                 continue
             rest = rest.removeprefix("final/").removeprefix("heldout/")
             parts = rest.split("/")
-            if len(parts) == 2 and parts[0] in suites and parts[1] in PROGRESS_METRICS:
+            if len(parts) == 2 and parts[1] in PROGRESS_METRICS:  # any environment's suite names
                 row[rest] = float(value)
         if row:
             out[phase] = row

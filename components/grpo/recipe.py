@@ -104,10 +104,12 @@ def draw_tasks(cfg: PipelineConfig, curriculum: Curriculum, train: list[Task], s
     return chains
 
 
-def expert_trajectory(env, task: Task, fmt: ChatFormat, expert: Any) -> Trajectory:
+def expert_trajectory(env, task: Task, fmt: ChatFormat, expert: Any) -> Trajectory | None:
     """The environment's expert solution (`expert(env, task)`), tokenised the way the policy sees it (agent mask
-    from the template)."""
+    from the template); None when the environment has none."""
     traj = expert(env, task)  # with the skills it defined and used
+    if traj is None:
+        return None
     ids, mask = encode_messages(fmt.tok, messages(traj))
     # one synthetic "turn" carries the whole conversation: its advantage applies to every agent token
     traj.turns = [Turn("assistant", "", tokens=ids, mask=mask)]
@@ -362,6 +364,8 @@ class GRPORecipe:
                     expert = [expert_trajectory(env, t, self.fmt, self.env.expert) for t in grp.chain]
                 finally:
                     env.close()
+                if any(t is None for t in expert):  # the environment has no solution for one of these tasks
+                    continue
                 if self.chain_reward is not None:
                     for t, r in zip(expert, self.chain_reward(expert), strict=True):
                         t.reward = r
@@ -439,7 +443,8 @@ class GRPORecipe:
             res = evaluate_policy(self.policy, self.cfg, self.env, g.eval_suites, pass_k=1, max_tasks=g.eval_max_tasks,
                                   progress=False, backend=self.backend, chain_length=g.eval_chain_length)
         held = {f"heldout/{k}": v for k, v in flat(res["metrics"]).items()}
-        held["heldout/tgc_mean"] = sum(held[f"heldout/{s}/tgc"] for s in g.eval_suites) / len(g.eval_suites)
+        measured = list(res["metrics"])  # the configured suites the environment has (else its held-out ones)
+        held["heldout/tgc_mean"] = sum(held[f"heldout/{s}/tgc"] for s in measured) / len(measured)
         self.log(held, step)
         return held
 
@@ -599,7 +604,7 @@ def repair(model, opt, acc, failed: list[Trajectory], env: LoadedEnvironment, cf
             traj = expert_trajectory(episode, task, fmt, env.expert)
         finally:
             episode.close()
-        if traj.verdict.success:
+        if traj is not None and traj.verdict.success:
             samples.append(sample_from_turns(traj.turns, 0.0))
     if not samples:
         return 0.0

@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from typing import Unpack
 
 from components.core.buffer import TrajectoryBuffer
-from components.core.env import LoadedEnvironment
+from components.core.env import LoadedEnvironment, pick_suites
 from components.core.generation import make_backend
 from components.core.phase import PhaseContext, PhaseResult, Places
 from components.core.policy import save_policy, trainable_lora
@@ -76,7 +76,8 @@ def best_of_n(cfg, env: LoadedEnvironment, policy, policy_model: str, tracker) -
         return rollout(backend, env.factory(), fmt, tasks, settings, rewards=cfg.rewards)
 
     # 2-3. probe, pick the hard tasks
-    levels = set(rs.levels or {t.level for t in env.suites[rs.eval_suite]})
+    suite = pick_suites(env, [rs.eval_suite])[-1]  # another environment's own (hardest-named last) without this one
+    levels = set(rs.levels or {t.level for t in env.suites[suite]})
     pool = [t for t in env.online_tasks(rs.task_pool) if t.level in levels]
     if not pool:
         raise ValueError(f"rejection_sampling.levels={sorted(levels)}: the {rs.task_pool} pool has no task at these levels")
@@ -148,8 +149,9 @@ def run(preset: str = "tiny", overrides: str = "", policy_model: str = "", **pla
                 shutil.rmtree(out)
             shutil.copytree(policy_model, out)
         # 6. the gain, on held-out tasks (a passed-through model has the incoming weights: not re-measured)
-        metrics.update(ctx.before_after(policy_model, str(out) if chosen else None, [rs.eval_suite]))
-        tgc = f"{rs.eval_suite}/tgc"
+        suite = pick_suites(ctx.environment(), [rs.eval_suite])[-1]
+        metrics.update(ctx.before_after(policy_model, str(out) if chosen else None, [suite]))
+        tgc = f"{suite}/tgc"
         metrics[f"gain/{tgc}"] = metrics[tgc] - metrics[f"incoming/{tgc}"]
         tracker.log_metrics(metrics, step=1)
         card.metrics = dict(metrics)

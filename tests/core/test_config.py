@@ -79,7 +79,7 @@ BAD = [
     (dict(set_pairs=["grpo.clip_eps_high=0.1"]), "grpo.clip_eps_high=0.1 must be >= grpo.clip_eps=0.2"),
     (dict(set_pairs=["generation.max_new_tokens=3000"]), "generation.max_new_tokens=3000 must be <"),
     (dict(set_pairs=["sandbox.suite_sizes.medium=3"]), "sandbox.suite_sizes.medium"),
-    (dict(set_pairs=["eval.suites=[easy, extreme]"]), "eval.suites.1 = \"extreme\""),
+    (dict(set_pairs=["eval.suites=[easy, extreme]"]), "eval.suites.1 = 'extreme': the workspace has the suites"),
     (dict(preset="tpu-pod"), "preset = 'tpu-pod'"),
     (dict(set_pairs=["run.seed"]), "--set 'run.seed': expected section.field=value"),
     (dict(overrides_json="{not json"), "overrides: not valid JSON"),

@@ -472,6 +472,37 @@ def cmd_sandbox_serve(args) -> int:
     return 0
 
 
+def cmd_env_serve(args) -> int:
+    """Any registered environment over the sandbox's HTTP protocol (the chart's sandbox Service runs this with
+    --env); the workspace is `agentrl sandbox serve`'s server."""
+    from components.core.env import load
+    from components.sandbox.server import serve
+
+    pairs = [*args.set_pairs, f"env.name={args.env}"] if args.env else args.set_pairs
+    cfg = load_config(preset=args.preset, files=args.config, overrides_json=args.overrides, set_pairs=pairs)
+    if cfg.env.url:
+        print("agentrl env serve: env.url names a server to use, not one to be: unset it here", file=sys.stderr)
+        return 2
+    try:
+        loaded = load(cfg, args.world, args.tasks)
+    except (ValueError, KeyError) as exc:
+        print(f"agentrl env serve: {exc}", file=sys.stderr)
+        return 2
+    sandbox = getattr(loaded, "world", None) is not None and cfg.env.name == "workspace"
+    digest = loaded.world.digest()[:16] if sandbox else str(getattr(loaded, "describe", dict)().get("digest", ""))[:16]
+    print(f"agentrl env: {cfg.env.name} ({digest}; suites {', '.join(sorted(loaded.suites))}) on "
+          f"http://{args.host}:{args.port}", flush=True)
+    try:
+        if sandbox:
+            serve(args.host, args.port, loaded.world, cfg.sandbox, cfg.rewards, token_file=args.token_file)
+        else:
+            serve(args.host, args.port, cfg=cfg.sandbox, token_file=args.token_file, environment=loaded)
+    except (ValueError, OSError) as exc:
+        print(f"agentrl: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="h100", help="placement plan: 'h100' (cluster) or 'local' (nothing applied)")
     p.add_argument("--placement-file", default=None, help="YAML overrides of the plan (keys 'defaults', 'phases')")
@@ -559,6 +590,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-file", default=None, help="bearer tokens, `client:token` per line (also read from "
                    "$AGENTRL_SANDBOX_TOKENS); without any the server binds loopback only")
     p.set_defaults(fn=cmd_sandbox_serve)
+    p = sub.add_parser("env", help="environments: any registered one")
+    env_sub = p.add_subparsers(dest="env_cmd", required=True)
+    p = env_sub.add_parser("serve", help="serve a registered environment's episodes over HTTP (reset/step/verify)")
+    _config_args(p)
+    p.add_argument("--env", default=None, help="the environment (env.name): workspace, helpdesk, files (with --set "
+                   "env.options.path=DIR), or one registered under agentrl.environment_loaders")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--world", default=None, help="a sandbox_build's world.json (with --tasks)")
+    p.add_argument("--tasks", default=None, help="a sandbox_build's tasks folder; default: the environment's own")
+    p.add_argument("--token-file", default=None, help="bearer tokens, `client:token` per line (also read from "
+                   "$AGENTRL_SANDBOX_TOKENS); without any the server binds loopback only")
+    p.set_defaults(fn=cmd_env_serve)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -287,12 +287,17 @@ class FileEnvironment:
     spec: FileSpec
     suites: dict[str, list[Task]]
     heldout: tuple[str, ...]
+    url: str | None = None  # episodes on an environment server (`agentrl env serve`) instead of this process
 
     def online_tasks(self, pool: str = "practice") -> list[Task]:
         """'practice' when the folder has that suite (tasks no demo shows), else the train suite."""
         return list(self.suites.get(pool) or self.suites["train"])
 
-    def factory(self, action_format: str | None = None) -> Callable[[], FileEnv]:
+    def factory(self, action_format: str | None = None) -> Callable[[], Any]:
+        if self.url:
+            from components.sandbox.server import HTTPEnvironment
+
+            return lambda: HTTPEnvironment(self.url)
         return lambda: FileEnv(self.spec)  # the action form is the folder's (JSON tool calls)
 
     def expert(self, env: Any, task: Task, action_format: str | None = None) -> Trajectory | None:
@@ -318,8 +323,6 @@ def load_files(cfg: Any, world_path: str | None = None, tasks_dir: str | None = 
 
     if options:
         raise ValueError(f"env.options={sorted(options)}: a file-defined environment takes only 'path'")
-    if cfg.env.url:
-        raise ValueError("env.url: a file-defined environment runs its tools in this process's worker, not on a server")
     if not path:
         raise ValueError("env.options.path: the folder of a file-defined environment (env.json, tools.json, tools.py, "
                          "tasks/) is required")
@@ -331,7 +334,12 @@ def load_files(cfg: Any, world_path: str | None = None, tasks_dir: str | None = 
             raise ValueError(f"{world_path}: built from another version of {path} (digest {built.get('digest')[:12]}, "
                              f"the folder's {spec.digest()[:12]})")
         suites = {s: list(read_jsonl(storage.join(tasks_dir, f"{s}.jsonl"), Task)) for s in spec.suites}
-    return FileEnvironment(spec, suites, spec.heldout)
+    if cfg.env.url:
+        from components.sandbox.suites import check_server
+
+        check_server(cfg.env.url, spec.digest()[:16], f"serve this folder (`agentrl env serve --env {cfg.env.name}` with "
+                     "the same env.options)")
+    return FileEnvironment(spec, suites, spec.heldout, cfg.env.url)
 
 
 def example_path(name: str = EXAMPLE) -> str:

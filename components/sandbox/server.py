@@ -1,7 +1,8 @@
-"""The sandbox over HTTP (the Kubernetes sandbox Deployment), and a client with the Environment protocol.
+"""An environment over HTTP (the Kubernetes sandbox Deployment), and a client with the Environment protocol.
 
-Same contract as the in-process WorkspaceEnv: a session is one environment (its own episode state,
-code worker and skill library); many sessions are served concurrently. FastAPI + uvicorn do the
+The workspace by default; any registered environment with `agentrl env serve --env NAME` (`create_app(environment=
+...)`). Same contract as in process: a session is one environment (its own episode state, code or tool worker and,
+in the workspace, skill library); many sessions are served concurrently. FastAPI + uvicorn do the
 serving; what keeps tenants apart is written here (no library does per-session capabilities):
 
 - a bearer token on every call but /healthz (`Authorization: Bearer <token>`); the server's tokens come
@@ -14,10 +15,10 @@ serving; what keeps tenants apart is written here (no library does per-session c
   queue is full), and /healthz answered on the event loop, never behind work.
 
     POST   /sessions                     {"action_format": "json"|"code"}  -> {"session": id, "token": capability}
-    POST   /sessions/{id}/reset          {"task": <Task record>}          -> {"observation", "system_prompt"}
+    POST   /sessions/{id}/reset          {"task": <Task record>}          -> {"observation", "system_prompt", "tools"}
     POST   /sessions/{id}/step           {"action": text}                 -> StepResult
     POST   /sessions/{id}/verify                                          -> {"verdict", "episode"}
-    GET    /sessions/{id}/skills                                          -> the session's skill library
+    GET    /sessions/{id}/skills                                          -> the session's skill library (workspace)
     DELETE /sessions/{id}                                                 -> 404 when unknown
     GET    /healthz (no auth), GET /tools
 """
@@ -89,7 +90,7 @@ def is_loopback(host: str) -> bool:
 
 @dataclass
 class Session:
-    env: WorkspaceEnv
+    env: Any  # a WorkspaceEnv, or another environment's episode
     token: str
     client: str
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -97,8 +98,8 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, world: World, cfg: SandboxConfig, rewards: RewardConfig, limits: SandboxServerConfig) -> None:
-        self.world, self.cfg, self.rewards, self.limits = world, cfg, rewards, limits
+    def __init__(self, make_env: Any, limits: SandboxServerConfig) -> None:
+        self.make_env, self.limits = make_env, limits  # make_env(action_format) -> a fresh environment
         self.sessions: dict[str, Session] = {}
         self.reserved: dict[str, str] = {}  # session id -> client, while its environment is being built
         self.lock = threading.Lock()
@@ -116,8 +117,7 @@ class SessionStore:
             sid, token = uuid.uuid4().hex, secrets.token_urlsafe(32)
             self.reserved[sid] = client  # the slot is taken while the (slower) environment is built, unlocked
         try:
-            env = WorkspaceEnv(self.world, self.cfg, self.rewards, SkillLibrary(max_size=self.limits.max_skills),
-                               action_format)
+            env = self.make_env(action_format)
             with self.lock:
                 self.sessions[sid] = Session(env, token, client)
         finally:
@@ -203,16 +203,32 @@ class Executor:
 
 
 def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rewards: RewardConfig | None = None,
-               tokens: dict[str, str] | None = None):
+               tokens: dict[str, str] | None = None, environment: Any = None):
     """The ASGI app. `tokens`: bearer token -> client name; empty/None serves without authentication
-    (`serve` allows that on loopback only)."""
+    (`serve` allows that on loopback only). `environment`: another loaded environment (`core.env.load`) to serve
+    instead of the workspace (its `factory()` makes the sessions' episodes; /healthz reports its `describe()`
+    digest)."""
     from fastapi import Body, FastAPI, HTTPException
     from fastapi.responses import JSONResponse
 
     cfg = cfg or SandboxConfig()
     limits = cfg.server
     tokens = dict(tokens or {})
-    store = SessionStore(world if world is not None else generate_world(cfg), cfg, rewards or RewardConfig(), limits)
+    if environment is None:
+        world = world if world is not None else generate_world(cfg)
+        rewards = rewards or RewardConfig()
+        store = SessionStore(lambda fmt: WorkspaceEnv(world, cfg, rewards, SkillLibrary(max_size=limits.max_skills),
+                                                      fmt), limits)
+        world_digest = world.digest()[:16]  # the base world never changes (episodes work on copies)
+        catalogue = [{"name": t.name, "description": t.description, "params": [asdict(p) for p in t.params]}
+                     for t in CATALOGUE]
+    else:
+        store = SessionStore(lambda fmt: environment.factory(fmt)(), limits)
+        described = environment.describe() if hasattr(environment, "describe") else {}
+        world_digest = str(described.get("digest", ""))[:16]
+        probe = environment.factory()()
+        catalogue = list(getattr(probe, "tools", None) or [])
+        probe.close()
     pool = Executor(limits)
     from contextlib import asynccontextmanager
 
@@ -230,7 +246,6 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
 
     app = FastAPI(title="agentrl sandbox", version="2", lifespan=lifespan, default_response_class=EscapedJSON)
     app.state.store, app.state.pool = store, pool
-    world_digest = store.world.digest()[:16]  # the base world never changes (episodes work on copies)
 
     @app.exception_handler(ValueError)
     async def bad_input(_request: Request, exc: ValueError):  # a body FastAPI could not read (e.g. a 5,000-digit int)
@@ -296,7 +311,7 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
     @app.get("/tools")
     async def tools(request: Request) -> list[dict[str, Any]]:
         client_of(request)
-        return [{"name": t.name, "description": t.description, "params": [asdict(p) for p in t.params]} for t in CATALOGUE]
+        return catalogue
 
     @app.post("/sessions")
     async def create(request: Request, body: dict[str, Any] = Body(default={})) -> dict[str, str]:  # noqa: B008
@@ -313,14 +328,16 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
     def _reset(s: Session, task: Task) -> dict[str, Any]:
         with s.lock:
             obs = s.env.reset(task)
-            return {"observation": obs, "system_prompt": s.env.system_prompt}
+            return {"observation": obs, "system_prompt": getattr(s.env, "system_prompt", ""),
+                    "tools": list(getattr(s.env, "tools", None) or [])}
 
     @app.post("/sessions/{sid}/reset")
     async def reset(sid: str, request: Request, body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
         client, s = session(request, sid)
         try:
             task = from_record(Task, body.get("task"))
-            check_options(task.options, limits.max_setup_items)
+            if environment is None:  # the workspace's setup options, capped
+                check_options(task.options, limits.max_setup_items)
         except ValueError as exc:
             raise HTTPException(422, f"task: {str(exc)[:500]}") from None
         return await pool.run(client, _reset, s, task)
@@ -339,9 +356,10 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
 
     def _verify(s: Session) -> dict[str, Any]:
         with s.lock:
-            if s.env.task is None:
+            if getattr(s.env, "task", None) is None:
                 return {}
-            return {"verdict": asdict(s.env.verify()), "episode": s.env.episode_info()}
+            info = s.env.episode_info() if hasattr(s.env, "episode_info") else {}
+            return {"verdict": asdict(s.env.verify()), "episode": info}
 
     @app.post("/sessions/{sid}/verify")
     async def verify(sid: str, request: Request) -> dict[str, Any]:
@@ -354,6 +372,8 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
     @app.get("/sessions/{sid}/skills")
     async def skills(sid: str, request: Request) -> dict[str, Any]:
         _, s = session(request, sid)
+        if not hasattr(s.env, "library"):
+            raise HTTPException(404, "this environment keeps no skill library")
         return {"skills": [asdict(k) for k in list(s.env.library.skills)]}
 
     @app.delete("/sessions/{sid}")
@@ -367,14 +387,16 @@ def create_app(world: World | None = None, cfg: SandboxConfig | None = None, rew
 
 
 def serve(host: str = "127.0.0.1", port: int = 8080, world: World | None = None, cfg: SandboxConfig | None = None,
-          rewards: RewardConfig | None = None, workers_log_level: str = "warning", token_file: str | None = None) -> None:
+          rewards: RewardConfig | None = None, workers_log_level: str = "warning", token_file: str | None = None,
+          environment: Any = None) -> None:
     import uvicorn
 
     tokens = load_tokens(token_file)
     if not tokens and not is_loopback(host):
         raise ValueError(f"sandbox serve on {host}: no tokens (set {TOKENS_ENV} or --token-file); "
                          "without them the server only binds a loopback address")
-    uvicorn.run(create_app(world, cfg, rewards, tokens), host=host, port=port, log_level=workers_log_level)
+    uvicorn.run(create_app(world, cfg, rewards, tokens, environment), host=host, port=port,
+                log_level=workers_log_level)
 
 
 class HTTPEnvironment:
@@ -392,6 +414,7 @@ class HTTPEnvironment:
             self.http.headers["Authorization"] = f"Bearer {token}"
         self.timeout, self.retries = timeout_s, retries
         self.system_prompt = ""
+        self.tools: list[dict[str, Any]] = []
         out = self._call("POST", f"{self.base}/sessions", {"action_format": action_format})
         self.session = out["session"]
         self.http.headers[SESSION_HEADER] = out["token"]
@@ -412,6 +435,7 @@ class HTTPEnvironment:
     def reset(self, task: Task) -> str:
         out = self._post("reset", {"task": to_record(task)})
         self.system_prompt = out["system_prompt"]
+        self.tools = list(out.get("tools") or [])
         return out["observation"]
 
     def step(self, action_text: str) -> StepResult:

@@ -95,19 +95,20 @@ def load_sandbox(cfg: PipelineConfig, world_path: str | None = None, tasks_dir: 
         world = generate_world(cfg.sandbox)
         suites = generate_tasks(world, cfg.sandbox)
     if cfg.env.url:
-        _check_server(cfg.env.url, world)
+        check_server(cfg.env.url, world.digest()[:16], "start the server with this sandbox's world.json (`agentrl "
+                     "sandbox serve --world ...`) or the same sandbox config")
     return Sandbox(world, suites, cfg)
 
 
-def _check_server(url: str, world: World) -> None:
-    """The server at `url` answers and serves `world` (tasks name its users and ids: another world fails them)."""
+def check_server(url: str, digest: str, how: str) -> None:
+    """The server at `url` answers and serves the environment whose digest is `digest` (its /healthz `world`): tasks
+    name what is in it (users, ids, tickets), another one fails them. `how`: what to do about a mismatch."""
     import requests
 
     try:
         health = requests.get(url.rstrip("/") + "/healthz", timeout=10).json()
     except (requests.RequestException, ValueError) as exc:
         raise ValueError(f"env.url={url!r}: no environment server answers ({type(exc).__name__}: {exc})") from None
-    if health.get("world") != world.digest()[:16]:
-        raise ValueError(f"env.url={url!r} serves world {health.get('world')}, the phase's tasks are for "
-                         f"{world.digest()[:16]}: start the server with this sandbox's world.json (`agentrl sandbox "
-                         "serve --world ...`) or the same sandbox config")
+    if health.get("world") != digest:
+        raise ValueError(f"env.url={url!r} serves world {health.get('world')}, the phase's tasks are for {digest}: "
+                         + how)

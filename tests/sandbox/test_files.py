@@ -142,3 +142,46 @@ def test_a_folder_that_does_not_say_what_it_must_is_named_with_the_reason(tmp_pa
     cfg = load_config(set_pairs=["env.name=files"])
     with pytest.raises(ValueError, match="env.options.path"):
         load(cfg)
+
+
+def test_any_registered_environment_is_served_and_its_episodes_run_there(tmp_path, helpdesk):
+    import subprocess
+    import sys
+
+    import requests
+
+    from components.sandbox.files import render_calls
+    from tests.helpers.servers import HOST, _stop, _wait_http, free_port
+
+    url, log = f"http://{HOST}:{free_port()}", tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "env", "serve", "--env", "helpdesk", "--host", HOST,
+                             "--port", url.rsplit(":", 1)[1]], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        _wait_http(url + "/healthz", proc, 60, log)
+        assert requests.get(url + "/healthz", timeout=10).json()["world"] == helpdesk.spec.digest()[:16]
+        assert requests.get(url + "/tools", timeout=10).json() == helpdesk.spec.tools
+        served = load(load_config(set_pairs=["env.name=helpdesk", f"env.url={url}"]))  # the server is checked first
+        task = next(t for t in served.suites["hard"] if t.level == 5)
+        env = served.factory()()
+        try:
+            env.reset(task)
+            assert env.tools == helpdesk.spec.tools and env.system_prompt == helpdesk.spec.system_prompt
+            roles = []
+            for reply in task.solution["replies"]:
+                res = env.step(render_calls(reply) if isinstance(reply, list) else reply)
+                roles.append(res.role)
+                if res.done:
+                    break
+            assert roles == ["tool", "user", "tool", "tool"] and env.verify().success  # the follow-up, over HTTP
+            assert requests.get(f"{url}/sessions/{env.session}/skills", timeout=10).status_code in (403, 404)
+        finally:
+            env.close()
+        assert requests.get(url + "/healthz", timeout=10).json()["sessions"] == 0
+        # a phase whose tasks come from another version of the folder is stopped before any episode
+        other = _folder(tmp_path, read_spec(example_path()).source)
+        (other / "env.json").write_text((other / "env.json").read_text().replace("help-desk agent", "support agent"))
+        with pytest.raises(ValueError, match="env.url=.*serves world .*agentrl env serve --env files"):
+            load(load_config(set_pairs=["env.name=files", f"env.options.path={other}", f"env.url={url}"]))
+    finally:
+        _stop(proc)

@@ -298,9 +298,10 @@ class SandboxConfig(_Section):
     action_format: Literal["json", "code"] = "json"
     max_turns: int = Field(12, ge=1, le=200)
     observation_chars: int = Field(1200, ge=100, le=1_000_000, description="observations are cut to this size")
-    catalogue: Literal["full", "compact", "none"] = Field(
+    catalogue: Literal["full", "compact", "none", "schemas"] = Field(
         "none", description="tool list in the system prompt: full signatures, names only, or none (learned from demos; "
-        "the tiny model trains ~30% faster without it)")
+        "the tiny model trains ~30% faster without it); 'schemas': the tools declared as JSON schemas, through the "
+        "chat template's tools= where it takes them (else written into the system turn)")
     max_batch_items: int = Field(100, ge=1, description="hard limit: items touched by one action")
     code_cpu_time_s: float = Field(2.0, gt=0, le=600)
     code_memory_mb: int = Field(256, ge=32, le=65536)

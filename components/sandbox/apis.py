@@ -100,6 +100,16 @@ TOOLS: dict[str, ToolSpec] = {t.name: t for t in CATALOGUE}
 APPS = sorted({t.name.split(".")[0] for t in CATALOGUE if "." in t.name})
 
 
+def tool_schemas() -> list[dict[str, Any]]:
+    """The catalogue as JSON schemas (OpenAI's function format), how every environment declares its tools."""
+    kinds = {"str": {"type": "string"}, "int": {"type": "integer"}, "bool": {"type": "boolean"},
+             "list[str]": {"type": "array", "items": {"type": "string"}}}
+    return [{"type": "function", "function": {
+        "name": t.name, "description": t.description,
+        "parameters": {"type": "object", "properties": {p.name: dict(kinds[p.type]) for p in t.params},
+                       "required": [p.name for p in t.params if p.required]}}} for t in CATALOGUE]
+
+
 def render_catalogue() -> str:
     return "\n".join(f"- {t.signature()}: {t.description}" for t in CATALOGUE)
 

@@ -45,7 +45,8 @@ class Recorder:
     def __init__(self, env: WorkspaceEnv, task: Task, policy_name: str) -> None:
         self.env, self.task, self.policy = env, task, policy_name
         first = env.reset(task)
-        self.turns = [Turn("system", env.system_prompt), Turn("user", first)]
+        tools = env.tools
+        self.turns = [Turn("system", env.system_prompt, info={"tools": tools} if tools else {}), Turn("user", first)]
         self.parts: dict[str, float] = {}
         self.last: dict[str, Any] = {}
 

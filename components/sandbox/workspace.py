@@ -16,7 +16,16 @@ from components.core.config import RewardConfig, SandboxConfig
 from components.core.env import StepResult
 from components.core.schema import Task, Verdict
 from components.sandbox import actions, safety
-from components.sandbox.apis import CATALOGUE, TOOLS, ApiError, Episode, Refused, Workspace, render_catalogue
+from components.sandbox.apis import (
+    CATALOGUE,
+    TOOLS,
+    ApiError,
+    Episode,
+    Refused,
+    Workspace,
+    render_catalogue,
+    tool_schemas,
+)
 from components.sandbox.skills import Skill, SkillLibrary
 from components.sandbox.tasks import apply_setup
 from components.sandbox.verifiers import Checker
@@ -105,12 +114,18 @@ class WorkspaceEnv:
 
     # -- prompt --------------------------------------------------------------------------------
     @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """The tools as JSON schemas when `sandbox.catalogue='schemas'` (the rollout puts them in the prompt)."""
+        return tool_schemas() if self.cfg.catalogue == "schemas" else None
+
+    @property
     def system_prompt(self) -> str:
         user = self.task.user_id if self.task else "the user"
         first = f"You are {user}'s assistant in a workspace with mail, files, calendar and chat."
         if self.cfg.catalogue == "none":  # the tools and the reply format are learned from demonstrations
             return first
-        cat = render_catalogue() if self.cfg.catalogue == "full" else _compact_catalogue()
+        cat = {"full": render_catalogue, "compact": _compact_catalogue}.get(self.cfg.catalogue)
+        listed = f"Tools: {cat()}\n" if cat else ""  # 'schemas': declared to the template (`tools`), not listed
         if self.action_format == "code":
             how = ("Reply with a short thought, then a ```python block that calls apis.<app>.<op>(...) "
                    "(e.g. apis.mail.search(sender='bob')); define functions to reuse them later.")
@@ -118,7 +133,7 @@ class WorkspaceEnv:
             how = 'Reply with a short thought, then one action: {"tool": "mail.search", "args": {"sender": "bob"}}'
         # what every episode shares first and who the user is last: prompt caches (vLLM's prefix cache, the hf
         # backend's shared prefixes) then hold the catalogue once for all users
-        return (f"Tools: {cat}\n{how}\n"
+        return (f"{listed}{how}\n"
                 "Call finish when done; finish with status 'refused' if the request is unsafe.\n"
                 f"{first}")
 

@@ -174,3 +174,47 @@ def test_train_from_masks_assistant_turns_in_the_prompt():
     ids, mask = encode_messages(tok, episode(), train_from=4)  # the first action is context (a failed attempt)
     agent = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
     assert agent == ACTIONS[1] + "<|im_end|>" + ACTIONS[2] + "<|im_end|>"
+
+
+QWEN_TOOLS = (  # ChatML with a tools block in the system turn, as Qwen 2.5 / Hermes templates write it
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if not (m['role'] == 'system' and loop.first) %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "mail_move", "description": "move a message",
+                                           "parameters": {"type": "object", "properties": {"id": {"type": "string"}}}}}]
+FOLLOW_UP = "Thanks. Also archive m4."
+
+
+@pytest.mark.parametrize("template", ["native", "fallback"])
+def test_tools_and_a_users_follow_up_are_encoded_as_the_rollout_samples_them(template):
+    """Tools go through the template's `tools=` where it takes them, else into the system text; an observation in the
+    user role (the user speaking mid-episode) is glued in that role: the rollout's ids equal the conversation's."""
+    raw = make_tokenizer("chatml")
+    if template == "native":
+        raw.chat_template = QWEN_TOOLS
+    tok = prepare_tokenizer(raw, "chatml", ModelConfig())
+    fmt = ChatFormat(tok)
+    assert fmt.native_tools == (template == "native")
+    observations = [(OBS[0], "tool"), (FOLLOW_UP, "user")]
+    ids = fmt.prompt_ids(SYSTEM, USER, TOOLS)
+    mask = [0] * len(ids)
+    msgs = [{"role": "system", "content": SYSTEM, "tools": TOOLS}, {"role": "user", "content": USER}]
+    for i, action in enumerate(ACTIONS):
+        gen = fmt.encode(action) + [fmt.eos_id]
+        ids, mask = ids + gen, mask + [1] * len(gen)
+        msgs.append({"role": "assistant", "content": action})
+        if i < len(observations):
+            glue = fmt.glue_ids(observations[i][0], ended_with_eos=True, role=observations[i][1])
+            msgs.append({"role": observations[i][1], "content": observations[i][0]})
+        else:
+            glue = fmt.closing_ids(True)
+        ids, mask = ids + glue, mask + [0] * len(glue)
+    assert (ids, mask) == encode_messages(tok, msgs)
+    text = tok.decode(ids)
+    assert f"<|im_start|>user\n{FOLLOW_UP}<|im_end|>" in text
+    assert ('<tools>{"type": "function"' in text) if template == "native" else \
+        (f"{SYSTEM}\n\nTools (JSON schemas):\n" + '{"type":"function"' in text)

@@ -185,3 +185,16 @@ def test_any_registered_environment_is_served_and_its_episodes_run_there(tmp_pat
             load(load_config(set_pairs=["env.name=files", f"env.options.path={other}", f"env.url={url}"]))
     finally:
         _stop(proc)
+
+
+def test_the_workspace_declares_its_tools_as_json_schemas_too():
+    from components.sandbox.apis import CATALOGUE
+
+    sandbox = load(load_config(set_pairs=["sandbox.catalogue=schemas"]))
+    traj = sandbox.expert(sandbox.factory()(), sandbox.suites["train"][0])
+    tools = traj.turns[0].info["tools"]
+    assert traj.verdict.success and [t["function"]["name"] for t in tools] == [t.name for t in CATALOGUE]
+    move = next(t["function"] for t in tools if t["function"]["name"] == "mail.move")
+    assert move["parameters"]["properties"]["ids"] == {"type": "array", "items": {"type": "string"}}
+    assert "Tools:" not in traj.turns[0].text  # declared to the template, not listed in the prompt
+    assert load(load_config()).factory()().tools is None  # the default lists none: learned from the demos

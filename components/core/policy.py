@@ -225,3 +225,57 @@ def save_policy(policy: Policy, out: str | os.PathLike, card: ModelCard, merge: 
         card.kind = "lora" if pol.is_lora else "full"
         (staging / "agentrl.json").write_text(json.dumps(to_record(card), indent=1))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry's form: MLflow's transformers flavour (mlflow.pyfunc.load_model("models:/...@champion") works)
+# ----------------------------------------------------------------------------------------------
+FLAVOUR_MODEL, FLAVOUR_TOKENIZER = "model", "components/tokenizer"  # where the flavour keeps weights and tokenizer
+
+
+def save_mlflow_model(model_dir: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """`model_dir` (full weights, or a LoRA adapter: merged first) as an MLflow transformers-flavour directory
+    (MLmodel, model/, components/tokenizer/) at `dest`, with the agentrl.json card beside MLmodel. The requirements are
+    pinned from this environment (MLflow's own probing imports torchvision, which a text model does not need)."""
+    import shutil
+    from importlib.metadata import version
+
+    import mlflow
+    from transformers import pipeline
+
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    pol = load_policy(str(model_dir))
+    pol = merged(pol) if pol.is_lora else pol
+    pipe = pipeline("text-generation", model=pol.model, tokenizer=pol.tokenizer)
+    reqs = [f"{p}=={version(p)}" for p in ("transformers", "torch", "accelerate", "safetensors", "tokenizers")]
+    mlflow.transformers.save_model(transformers_model=pipe, path=str(dest), pip_requirements=reqs)
+    settings = getattr(pol.tokenizer, "agentrl_chat", None)
+    if settings:  # how agentrl renders episodes with this tokenizer travels with it
+        (dest / FLAVOUR_TOKENIZER / CHAT_FILE).write_text(json.dumps(settings, indent=1))
+    card = Path(model_dir) / "agentrl.json"
+    if card.is_file():
+        text = json.loads(card.read_text())
+        text["kind"] = "full"  # merged: the registry's model loads alone
+        (dest / "agentrl.json").write_text(json.dumps(text, indent=1))
+    return dest
+
+
+def from_mlflow_model(local: str | os.PathLike) -> Path:
+    """A Hugging Face model directory from a downloaded registry model: a transformers-flavour directory is gathered
+    into `<local>/hf` (weights, tokenizer, card); any other directory (versions registered before the flavour) as is."""
+    import shutil
+
+    local = Path(local)
+    if not (local / "MLmodel").is_file() or not (local / FLAVOUR_MODEL / "config.json").is_file():
+        return local
+    out = local / "hf"
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(local / FLAVOUR_MODEL, out)
+    if (local / FLAVOUR_TOKENIZER).is_dir():
+        shutil.copytree(local / FLAVOUR_TOKENIZER, out, dirs_exist_ok=True)
+    if (local / "agentrl.json").is_file():
+        shutil.copy2(local / "agentrl.json", out / "agentrl.json")
+    return out

@@ -794,16 +794,18 @@ class Registry:
         self.client.set_registered_model_alias(self.name, alias, str(version))
 
     def download(self, alias: str, dest: str | os.PathLike) -> tuple[str, str] | None:
-        """(local directory, version) of the model version behind `alias`, downloaded into `dest`; None when the
-        registry has no such alias (e.g. no champion before the first promotion)."""
+        """(local Hugging Face directory, version) of the model version behind `alias`, downloaded into `dest`; None
+        when the registry has no such alias (e.g. no champion before the first promotion)."""
         import mlflow
+
+        from components.core.policy import from_mlflow_model
 
         mv = self.get_alias(alias)
         if mv is None:
             return None
         local = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest),
                                                     tracking_uri=self.tracking_uri)
-        return local, str(mv.version)
+        return str(from_mlflow_model(local)), str(mv.version)  # the flavour's weights and tokenizer as one directory
 
     def get_alias(self, alias: str):
         """The ModelVersion behind `alias`, or None."""

@@ -123,8 +123,14 @@ def _sibling_runs(tracker: PhaseRun) -> list[tuple[str, dict[str, float], str | 
 
 def register_candidate(tracker: PhaseRun, registry: Registry, model_dir: str, metrics: dict[str, Any],
                        decision: Decision, promote: bool):
-    """Log the model to the run, register it as `challenger`; move `champion` when promoted (and allowed)."""
-    tracker.log_artifact(model_dir, "model")
+    """Log the model to the run in MLflow's transformers flavour (`mlflow.pyfunc.load_model("models:/<name>@champion")`
+    serves it), register it as `challenger`; move `champion` when promoted (and allowed)."""
+    import tempfile
+
+    from components.core.policy import save_mlflow_model
+
+    with tempfile.TemporaryDirectory(prefix="agentrl-mlflow-model-") as tmp:  # the input model may be read-only
+        tracker.log_artifact(save_mlflow_model(model_dir, Path(tmp) / "model"), "model")
     mv = tracker.register_model("model", alias="challenger",
                                 tags={"agentrl.promote": str(decision.promote).lower(),
                                       **{f"eval.{k}": str(v) for k, v in flat(metrics).items()

@@ -162,3 +162,18 @@ def test_the_phase_compares_with_the_champion_by_default(setup, tmp_path):
     assert second.decision.promote  # not worse: the alias moves to the newer version
     champion = Registry(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}").get_alias("champion")
     assert str(champion.version) == second.version
+    # the registry holds MLflow's transformers flavour: the champion serves through pyfunc as MLflow users load it
+    import mlflow
+
+    before = mlflow.get_tracking_uri()
+    uri = f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        served = mlflow.pyfunc.load_model("models:/agentrl-policy@champion")
+        assert served.metadata.flavors.keys() >= {"transformers", "python_function"}
+        out = served.predict(["Move the mails from alice to Finance."], params={"max_new_tokens": 4})
+        assert isinstance(out[0], str) and out[0]
+    finally:
+        mlflow.set_tracking_uri(before)
+        mlflow.set_registry_uri(before)

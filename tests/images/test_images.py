@@ -53,6 +53,9 @@ def test_rollout_image_installs_every_dependency_but_the_ones_vllm_brings():
 
 def test_sandbox_server_imports_no_ml_stack():
     code = ("import sys; import pipelines.cli, components.sandbox.server, components.sandbox.world; "
+            "from components.core.config import load_config; from components.core.env import load; "
+            "load(load_config(set_pairs=['env.name=helpdesk'])); "  # `agentrl env serve --env helpdesk` loads it
+
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'trl', 'peft', "
             "'mlflow', 'boto3', 'datasets', 'accelerate'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)

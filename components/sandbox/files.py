@@ -11,7 +11,8 @@ A folder holds
                   says when the agent ends its turn (a follow-up request), or None to end the episode
     tasks/<suite>.jsonl   one task a line: {"id", "instruction", "level"?, "payload"?, "solution"?}; the file's name is
                   the suite; `payload` is what only tools.py reads (as task["payload"]); `solution` the expert's
-                  replies in order, each a list of calls [{"name", "arguments"}] or a text (ending its turn)
+                  replies in order, each a list of calls [{"name", "arguments"}], a text (ending its turn), or
+                  {"thought": text, "calls": [...]} (a short thought before the calls)
 
 The agent calls tools with JSON, one call {"name": ..., "arguments": {...}} or several (a list, or one object after
 another, or in <tool_call> tags); a reply without a call ends its turn. tools.py runs in the sandbox's isolated
@@ -36,7 +37,7 @@ from components.core.rewards import score
 from components.core.schema import RewardBreakdown, Task, Trajectory, Turn, Verdict, read_jsonl, to_record
 from components.sandbox.worker import CodeRunner, Limits
 
-__all__ = ["FileEnv", "FileEnvironment", "FileSpec", "load_files", "load_helpdesk", "parse_calls", "read_spec"]
+__all__ = ["FileEnv", "FileEnvironment", "FileSpec", "load_files", "load_helpdesk", "parse_calls", "read_spec", "render_reply"]
 
 EXAMPLE = "helpdesk"  # the example domain shipped in components/sandbox/envs/
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -159,10 +160,14 @@ def parse_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
         i = end
 
 
-def render_calls(calls: list[dict[str, Any]]) -> str:
-    """The expert's reply for a list of calls (a list when there are several)."""
-    body = calls[0] if len(calls) == 1 else calls
-    return json.dumps(body, ensure_ascii=False)
+def render_reply(reply: Any) -> str:
+    """The expert's reply as text: a list of calls as JSON (a list when there are several), a text as it is, or
+    {"thought": text, "calls": [...]} as the thought, a line break and the calls."""
+    if isinstance(reply, dict):
+        return f"{reply['thought']}\n{render_reply(list(reply['calls']))}" if reply.get("calls") else reply["thought"]
+    if isinstance(reply, list):
+        return json.dumps(reply[0] if len(reply) == 1 else reply, ensure_ascii=False)
+    return str(reply)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,7 +267,7 @@ def play(env: FileEnv, task: Task, replies: list[Any], policy: str = "expert") -
     turns = [Turn("system", env.system_prompt, info={"tools": env.tools}), Turn("user", first)]
     done = False
     for reply in replies:
-        text = render_calls(reply) if isinstance(reply, list) else str(reply)
+        text = render_reply(reply)
         res = env.step(text)
         turns.append(Turn("assistant", text))
         turns.append(Turn(res.role, res.observation, observation=res.observation, step_reward=res.step_reward,

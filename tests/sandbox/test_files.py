@@ -9,7 +9,7 @@ import pytest
 
 from components.core.config import load_config
 from components.core.env import load, loader_names
-from components.sandbox.files import FileEnv, SpecError, example_path, parse_calls, play, read_spec
+from components.sandbox.files import FileEnv, SpecError, example_path, parse_calls, read_spec
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,8 @@ def test_an_episode_has_two_calls_in_one_reply_and_the_users_follow_up(helpdesk)
     traj = helpdesk.expert(None, task)
     assert [t.role for t in traj.turns] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant",
                                             "tool", "assistant", "tool"]
-    assert json.loads(traj.turns[2].text)[1]["name"] == "set_status"  # two calls, one reply
+    assert [n for n, _ in parse_calls(traj.turns[2].text)] == ["assign", "set_status"]  # two calls, one reply
+    assert traj.turns[2].text.startswith("I will assign ")  # a short thought first
     assert traj.turns[3].text.count('"result": "ok"') == 2
     assert traj.turns[5].text.startswith("Thanks. Also add the comment")
     assert traj.verdict.success and "follow_up" in traj.verdict.subgoals_done
@@ -63,7 +64,7 @@ def test_wrong_calls_are_observations_with_their_reward_parts(helpdesk):
         r = env.step("That is all.")
         assert r.done
         verdict = env.verify()
-        assert not verdict.success and verdict.violations == [f"changed ticket {other}, which the request did not name"]
+        assert not verdict.success and verdict.violations == [f"hard: changed ticket {other}, which the request did not name"]
         assert env.episode_info() == {"format_errors": 1}
     finally:
         env.close()
@@ -150,7 +151,7 @@ def test_any_registered_environment_is_served_and_its_episodes_run_there(tmp_pat
 
     import requests
 
-    from components.sandbox.files import render_calls
+    from components.sandbox.files import render_reply
     from tests.helpers.servers import HOST, _stop, _wait_http, free_port
 
     url, log = f"http://{HOST}:{free_port()}", tmp_path / "serve.log"
@@ -169,7 +170,7 @@ def test_any_registered_environment_is_served_and_its_episodes_run_there(tmp_pat
             assert env.tools == helpdesk.spec.tools and env.system_prompt == helpdesk.spec.system_prompt
             roles = []
             for reply in task.solution["replies"]:
-                res = env.step(render_calls(reply) if isinstance(reply, list) else reply)
+                res = env.step(render_reply(reply))
                 roles.append(res.role)
                 if res.done:
                     break

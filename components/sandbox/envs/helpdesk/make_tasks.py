@@ -1,6 +1,6 @@
 """Writes tasks/*.jsonl of the help-desk example (deterministic): `python make_tasks.py` in this folder.
 
-Five levels: L1 one call; L2 two calls in one reply; L3 a lookup whose answer the next call copies; L4 two lookups,
+Every reply of the expert is a short thought, then its calls. Five levels: L1 one call; L2 two calls in one reply; L3 a lookup whose answer the next call copies; L4 two lookups,
 then two calls; L5 as L2, then the user follows up mid-episode with a comment to add. Every suite has its own
 tickets and agents (the held-out suites share no instance with train or practice)."""
 import json
@@ -44,38 +44,50 @@ def call(name, **arguments):
     return {"name": name, "arguments": arguments}
 
 
+def step(thought, *calls):
+    """One reply: a short thought that restates what the calls copy (a small model copies from a few tokens back),
+    then the calls."""
+    return {"thought": thought, "calls": list(calls)}
+
+
 def task(rng, suite, i, level):
     state = world(rng)
     tid = rng.choice(sorted(state["tickets"]))
     agent = rng.choice(sorted(state["agents"]))
     status = rng.choice(["in_progress", "resolved"])
-    payload, done = {"state": state}, "Done."
+    payload, done = {"state": state}, "Done."  # a reply without a call ends the agent's turn
     if level == 1:
         text = f"Set ticket {tid} to {status}."
         payload["expect"] = {tid: {"status": status}}
-        replies = [[call("set_status", ticket_id=tid, status=status)], done]
+        replies = [step(f"I will set {tid} to {status}.", call("set_status", ticket_id=tid, status=status)), done]
     elif level in (2, 5):
         text = f"Assign ticket {tid} to {agent} and set it to {status}."
         payload["expect"] = {tid: {"assignee": agent, "status": status}}
-        replies = [[call("assign", ticket_id=tid, agent=agent), call("set_status", ticket_id=tid, status=status)], done]
+        replies = [step(f"I will assign {tid} to {agent} and set it to {status}.",
+                        call("assign", ticket_id=tid, agent=agent), call("set_status", ticket_id=tid, status=status)),
+                   done]
         if level == 5:
             note = rng.choice(COMMENTS)
             payload["follow_up"] = {"text": f"Thanks. Also add the comment '{note}' to {tid}.", "ticket": tid,
                                     "comment": note}
-            replies += [[call("add_comment", ticket_id=tid, text=note)], done]
+            replies += [step(f"I will add '{note}' to {tid}.", call("add_comment", ticket_id=tid, text=note)), done]
     elif level == 3:
         team = rng.choice(TEAMS)
         who = on_call(state, team)
         text = f"Give ticket {tid} to the on-call agent of the {team} team."
         payload["expect"] = {tid: {"assignee": who}}
-        replies = [[call("find_agent", team=team)], [call("assign", ticket_id=tid, agent=who)], done]
+        replies = [step(f"I need the on-call agent of {team}.", call("find_agent", team=team)),
+                   step(f"I will assign {tid} to {who}.", call("assign", ticket_id=tid, agent=who)), done]
     else:
         team = state["tickets"][tid]["team"]
         who = on_call(state, team)
         text = f"Give ticket {tid} to the on-call agent of its own team and set it to {status}."
         payload["expect"] = {tid: {"assignee": who, "status": status}}
-        replies = [[call("get_ticket", ticket_id=tid)], [call("find_agent", team=team)],
-                   [call("assign", ticket_id=tid, agent=who), call("set_status", ticket_id=tid, status=status)], done]
+        replies = [step(f"I need the team of {tid}.", call("get_ticket", ticket_id=tid)),
+                   step(f"I need the on-call agent of {team}.", call("find_agent", team=team)),
+                   step(f"I will assign {tid} to {who} and set it to {status}.",
+                        call("assign", ticket_id=tid, agent=who), call("set_status", ticket_id=tid, status=status)),
+                   done]
     return {"id": f"{suite}-{i:03d}", "instruction": text, "level": level, "scenario": f"L{level}",
             "payload": payload, "solution": replies}
 

@@ -82,4 +82,4 @@ def check(state, task):
     needed = sum(len(w) for w in expect.values()) + (1 if follow else 0)
     others = [t for t in state["touched"] if t not in expect and not (follow and t == follow["ticket"])]
     return {"success": len(done) == needed and not others, "subgoals_done": done,
-            "violations": [f"changed ticket {t}, which the request did not name" for t in others]}
+            "violations": [f"hard: changed ticket {t}, which the request did not name" for t in others]}

@@ -125,7 +125,7 @@ def test_merge_order_preset_then_changed_knobs_then_overrides():
     ({"gate_max_suite_regression": 2.0}, "", "eval.gate.max_suite_regression = 2.0"),
     ({"grpo_group_size": 2.5}, "", "run-form parameter grpo_group_size (sets grpo.group_size) = 2.5: expected int"),
     ({"lora": "yes"}, "", "run-form parameter lora (sets model.lora.enabled) = \"yes\": expected bool"),
-    ({"environment": "mail_world"}, "", "env.name='mail_world': not a registered environment; known: ['workspace'] "
+    ({"environment": "mail_world"}, "", "env.name='mail_world': not a registered environment; known: ['files', 'helpdesk', 'workspace'] "
      "[run-form parameter environment]"),
     ({}, '{"grpo": {"clip_eps": 3}}', "grpo.clip_eps = 3: expected less than 1 [overrides]"),
     ({}, '{"grpo": {"grup_size": 3}}', "grpo.grup_size: unknown key (did you mean 'group_size'?) [overrides]"),

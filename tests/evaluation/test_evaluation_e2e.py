@@ -137,7 +137,7 @@ def test_chains_carry_the_skill_library_so_reuse_is_measured(setup):
     assert chained["tokens_per_task"]["value"] < alone["tokens_per_task"]["value"]
 
 
-def test_the_phase_compares_with_the_champion_by_default(setup, tmp_path):
+def test_the_phase_compares_with_the_champion_by_default(setup, tmp_path, monkeypatch):
     """Two evaluation phases in a row on one registry: the first promotes (no champion yet, the safety rule
     decides); the second is measured against that champion on the same tasks and the reason is logged."""
     from mlflow import MlflowClient
@@ -163,17 +163,13 @@ def test_the_phase_compares_with_the_champion_by_default(setup, tmp_path):
     champion = Registry(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}").get_alias("champion")
     assert str(champion.version) == second.version
     # the registry holds MLflow's transformers flavour: the champion serves through pyfunc as MLflow users load it
+    # (the URIs by environment variable: mlflow.set_tracking_uri would pin every later test's client to this store)
     import mlflow
 
-    before = mlflow.get_tracking_uri()
     uri = f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    try:
-        served = mlflow.pyfunc.load_model("models:/agentrl-policy@champion")
-        assert served.metadata.flavors.keys() >= {"transformers", "python_function"}
-        out = served.predict(["Move the mails from alice to Finance."], params={"max_new_tokens": 4})
-        assert isinstance(out[0], str) and out[0]
-    finally:
-        mlflow.set_tracking_uri(before)
-        mlflow.set_registry_uri(before)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", uri)
+    served = mlflow.pyfunc.load_model("models:/agentrl-policy@champion")
+    assert served.metadata.flavors.keys() >= {"transformers", "python_function"}
+    out = served.predict(["Move the mails from alice to Finance."], params={"max_new_tokens": 4})
+    assert isinstance(out[0], str) and out[0]

@@ -16,7 +16,7 @@ export AGENTRL_HOME ?= $(CURDIR)/.agentrl
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-fast bench compile images lint ui clean
+.PHONY: setup run test test-fast test-images container-tools bench compile images lint ui clean
 
 # Re-run only when the project's dependencies change.
 $(STAMP): pyproject.toml
@@ -53,10 +53,12 @@ PRESET ?= tiny
 run: $(STAMP)
 	$(VENV)/bin/agentrl run --preset $(PRESET) --set run.torch_threads=$(RUN_THREADS) $(ARGS)
 
-## Every test, slow ones included (what CI runs): the main suite, then the vLLM backend's in its environment.
+## Every test, slow ones included (what CI runs): the main suite, the vLLM backend's in its environment, then the
+## CPU images built and the pipeline run with each component in its own image.
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_PY) -m pytest tests/vllm_backend --confcutdir=tests/vllm_backend -p no:cacheprovider $(PYTEST_ARGS)
+	$(MAKE) test-images
 
 ## The fast tests only.
 test-fast: $(STAMP)
@@ -70,13 +72,30 @@ bench: $(STAMP)
 compile: $(STAMP)
 	$(VENV)/bin/agentrl compile --pipeline all --placement h100 --preset h100 --output-dir pipelines/compiled $(ARGS)
 
+## The three images (images/build.py): docker or podman (ENGINE=auto picks docker when its daemon answers).
+# VARIANT=cuda (production bases) or cpu (<tag>-cpu: a Debian base, CPU torch, vLLM's CPU build).
 IMAGE_REGISTRY ?= ghcr.io/agentrl
 IMAGE_TAG ?= 0.1.0
+ENGINE ?= auto
+VARIANT ?= cuda
+# The CPU variant on a machine that reaches no container registry (this one, CI): a Debian base built with
+# debootstrap, and pip inside the builds configured as pip here. Elsewhere: CPU_IMAGE_ARGS= (debian:bookworm-slim,
+# torch from its CPU index).
+CPU_IMAGE_ARGS ?= --cpu-base debootstrap --host-pip --torch-index ''
+IMAGE_BUILD := $(PYTHON) images/build.py --engine $(ENGINE) --registry $(IMAGE_REGISTRY) --tag $(IMAGE_TAG)
 images:
-	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine reachable (docker info failed)"; exit 1; }
-	for img in trainer rollout sandbox; do \
-	  docker build -f images/$$img/Dockerfile -t $(IMAGE_REGISTRY)/$$img:$(IMAGE_TAG) . || exit 1; \
-	done
+	$(IMAGE_BUILD) --variant $(VARIANT) $(if $(filter cpu,$(VARIANT)),$(CPU_IMAGE_ARGS))
+
+# podman, runc and debootstrap from Debian's packages when no Docker engine answers (as root, as on CI)
+container-tools:
+	@if docker info >/dev/null 2>&1 || { command -v podman && command -v runc && command -v debootstrap; } >/dev/null; \
+	then :; else echo "==> installing podman, runc, debootstrap"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null; fi
+
+## The CPU images built, then every component of the pipeline run in its own image (tests/images/test_containers.py).
+test-images: $(STAMP) container-tools
+	$(IMAGE_BUILD) --variant cpu $(CPU_IMAGE_ARGS)
+	$(PY) -m pytest -m containers tests/images $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check components pipelines tests

@@ -84,7 +84,7 @@ def _switches(pairs: list[str]) -> dict[str, bool]:
 
 
 def cmd_run(args) -> int:
-    """The pipeline through kfp.local (subprocess runner, the current environment)."""
+    """The pipeline through kfp.local: every task in this environment, or (`--runner docker`) each in its image."""
     from components.core.tracking import end_run, resolve_tracking_uri, start_pipeline_run
     from pipelines import local
     from pipelines.agent_rl import agent_rl
@@ -101,8 +101,14 @@ def cmd_run(args) -> int:
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri, home)
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    root = home / "pipeline_root"
-    local.init(root)
+    # in containers the pipeline root is the one folder kfp.local mounts: it is the home itself
+    root = home / "pipeline_root" if args.runner == "subprocess" else home
+    local.init(root, runner=args.runner)
+    if args.runner == "docker":
+        from pipelines.agent_rl import build
+        from pipelines.placement import load_plan
+
+        agent_rl = build(load_plan("containers"))
 
     parent_id = start_pipeline_run(tracking_uri, cfg.tracking.experiment, "agentrl-local",
                                    tags={"agentrl.runner": "kfp.local", "agentrl.preset": cfg.preset})
@@ -112,7 +118,8 @@ def cmd_run(args) -> int:
 
     from pipelines.progress import QuietRun
 
-    quiet = None if args.verbose else QuietRun(home / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log", root)
+    quiet = None if args.verbose else QuietRun(home / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log", root,
+                                               run_prefix="agentrl-")
     failure = ""
     try:
         with quiet or nullcontext():
@@ -520,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a phase switch of the run form, e.g. --param run_dpo=false (repeatable)")
     p.add_argument("--verbose", action="store_true",
                    help="stream kfp.local's executor logs here (default: to <home>/logs/, one line per task here)")
+    p.add_argument("--runner", choices=("subprocess", "docker"), default="subprocess",
+                   help="subprocess: every task in this environment (default); docker: each task in its own image "
+                   "(`make images`; docker, or podman's Docker API at DOCKER_HOST; the image tag from "
+                   "AGENTRL_IMAGE_TAG, e.g. 0.1.0-cpu)")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("config", help="print the resolved, validated config")
     _config_args(p)

@@ -57,6 +57,9 @@ _ROLLOUT = {"image": "rollout"}
 
 PLANS: dict[str, dict[str, dict[str, Any]]] = {
     "local": {"configure": {"cache": True}},
+    # `agentrl run --runner docker`: each task in the image the cluster gives it (kfp.local ignores resources)
+    "containers": {"configure": {"cache": True}, **{ph: dict(_ROLLOUT) for ph in
+                                                    ("grpo", "rejection_sampling", "dpo", "evaluate")}},
     "h100": {
         "defaults": {"secrets": _SECRETS, "config_maps": _PLATFORM},
         "configure": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 2, "cache": True},

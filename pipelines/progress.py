@@ -45,8 +45,8 @@ class QuietRun:
     """Within the block, fds 1 and 2 (this process's and every subprocess's) write to `log`; the console gets a line
     per finished task. On leaving, the console is restored; `tail()` gives the log's end for an error report."""
 
-    def __init__(self, log: Path, pipeline_root: Path, console=None) -> None:
-        self.log, self.root = Path(log), Path(pipeline_root)
+    def __init__(self, log: Path, pipeline_root: Path, console=None, run_prefix: str = "") -> None:
+        self.log, self.root, self.run_prefix = Path(log), Path(pipeline_root), run_prefix
         self.console = console if console is not None else sys.stdout
         self.started: dict[str, float] = {}
         self.lines: list[str] = []
@@ -57,7 +57,8 @@ class QuietRun:
         self.lines.append(text)
 
     def _task_dir(self, task: str) -> Path:
-        runs = sorted((d for d in self.root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime) \
+        runs = sorted((d for d in self.root.iterdir() if d.is_dir() and d.name.startswith(self.run_prefix)),
+                      key=lambda d: d.stat().st_mtime) \
             if self.root.exists() else []
         return runs[-1] / task if runs else self.root / task
 

@@ -276,7 +276,11 @@ def list_objects(uri: str) -> list[dict]:
         return sorted(out, key=lambda e: e["path"])
     root = Path(uri)
     for f in list_uris(uri):
-        out.append({"path": Path(f).relative_to(root).as_posix(), "size": Path(f).stat().st_size, "etag": ""})
+        try:
+            size = Path(f).stat().st_size
+        except FileNotFoundError:  # removed after the walk saw it (an old checkpoint pruned meanwhile): not there
+            continue
+        out.append({"path": Path(f).relative_to(root).as_posix(), "size": size, "etag": ""})
     return out
 
 

@@ -225,3 +225,12 @@ def test_a_checkpoint_whose_files_went_missing_is_skipped_and_latest_falls_back(
     storage.delete(storage.join(root, "grpo", step_name(2), "sub", "f1.bin"))
     assert not storage.is_complete(storage.join(root, "grpo", step_name(2)))
     assert ck.latest() == (1, storage.join(root, "grpo", step_name(1)))
+
+
+def test_a_file_pruned_between_the_walk_and_its_stat_is_left_out(tmp_path, monkeypatch):
+    # a reader polls checkpoints while the writer prunes the oldest: the walk saw a file that is gone by its stat
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "kept.bin").write_bytes(b"x" * 3)
+    walked = [str(tmp_path / "d" / "gone.bin"), str(tmp_path / "d" / "kept.bin")]
+    monkeypatch.setattr(storage, "list_uris", lambda uri, recursive=True: walked)
+    assert storage.list_objects(str(tmp_path / "d")) == [{"path": "kept.bin", "size": 3, "etag": ""}]

@@ -16,7 +16,7 @@ export AGENTRL_HOME ?= $(CURDIR)/.agentrl
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-fast test-images container-tools bench compile images lint ui clean
+.PHONY: setup run learn test test-fast test-images container-tools bench compile images lint ui clean
 
 # Re-run only when the project's dependencies change.
 $(STAMP): pyproject.toml
@@ -52,6 +52,15 @@ RUN_THREADS ?= 2
 PRESET ?= tiny
 run: $(STAMP)
 	$(VENV)/bin/agentrl run --preset $(PRESET) --set run.torch_threads=$(RUN_THREADS) $(ARGS)
+
+## Does each phase earn its place? The pipeline over SEEDS seeds (outside CI: ~20 minutes a seed on the tiny preset),
+## every phase's model measured task by task on the held-out suites: gains with bootstrap CIs in
+## $(AGENTRL_HOME)/learning.json, and the README's learning table rewritten from it. An interrupted run goes on
+## where it stopped (a seed's outcomes are kept in $(AGENTRL_HOME)/learning/seed-N/).
+SEEDS ?= 3
+learn: $(STAMP)
+	$(VENV)/bin/agentrl learn --preset $(PRESET) --seeds $(SEEDS) --set run.torch_threads=$(RUN_THREADS) \
+	  --table README.md $(ARGS)
 
 ## Every test, slow ones included (what CI runs): the main suite, the vLLM backend's in its environment, then the
 ## CPU images built and the pipeline run with each component in its own image.

@@ -535,6 +535,22 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("config", help="print the resolved, validated config")
     _config_args(p)
     p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("learn", help="the pipeline over N seeds, every phase's gain with a bootstrap CI "
+                       "(<home>/learning.json; make learn)")
+    _config_args(p)
+    p.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1 (default 3)")
+    p.add_argument("--seed-list", default=None, metavar="S,S,...", help="these run seeds instead of --seeds")
+    p.add_argument("--eval-set", dest="eval_pairs", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the measurement only, e.g. larger held-out suites: "
+                   "--eval-set 'sandbox.suite_sizes={easy: 120}' (held-out draws leave train and practice as they are)")
+    p.add_argument("--home", default=None, help="AGENTRL_HOME of the runs (default run.home)")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap draws per interval")
+    p.add_argument("--table", default=None, metavar="README", help="rewrite the learning table between the "
+                   "<!-- learning-table:start/end --> markers of this file")
+    p.add_argument("--table-only", default=None, metavar="LEARNING_JSON",
+                   help="run nothing: the table from this learning.json (with --table, written there)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars while measuring")
+    p.set_defaults(fn=lambda a: __import__("pipelines.learn", fromlist=["cmd_learn"]).cmd_learn(a))
     p = sub.add_parser("compile", help="compile the pipelines to YAML for upload to Kubeflow")
     p.add_argument("--pipeline", choices=(*PIPELINES, "all"), default="agent_rl")
     p.add_argument("--output", "-o", default=None, help="the YAML file (one pipeline); default <output-dir>/<name>.yaml")

@@ -37,6 +37,11 @@ class EvalResult:
     flat: dict[str, float] = field(default_factory=dict)
 
 
+def per_level_metrics(levels: dict[str, dict[int, float]]) -> dict[str, float]:
+    """`<suite>/tgc_level_<n>`: TGC of each level a suite holds (the hard suite's L3-L5 apart)."""
+    return {f"{suite}/tgc_level_{lv}": v for suite, by in levels.items() for lv, v in by.items()}
+
+
 def champion_dir(registry: Registry, dest: Path) -> tuple[str, str] | None:
     """(local dir, version) of the current champion, downloaded from its model version source."""
     return registry.download("champion", dest)
@@ -62,7 +67,7 @@ def run(
         registry = Registry(tracker.tracking_uri, cfg.tracking.registered_model)
         sandbox = ctx.environment()
         cand = evaluate_model(model, cfg, sandbox, suites, cache=str(home / "cache"))
-        tracker.log_metrics(flat(cand["metrics"]), step=0)
+        tracker.log_metrics(flat(cand["metrics"]) | per_level_metrics(cand["levels"]), step=0)
 
         work = ctx.work
         base: dict[str, Any] | None = None

@@ -81,6 +81,15 @@ def render_report(cand: dict[str, Any], base: dict[str, Any] | None, decision: D
             errors["baseline"] = [tuple(base["metrics"][s][metric]["ci"]) for s in suites]
         rep.figure(bar_chart(suites, series, metric, f"{metric} per suite (95% CI)", errors), metric)
     rep.figure(_level_figure(cand, base), "TGC per level")
+    rep.heading("TGC per level, per suite (candidate [baseline])")
+    levels = sorted({int(lv) for by in cand["levels"].values() for lv in by})
+    rows = []
+    for s in suites:
+        by = {int(k): v for k, v in cand["levels"].get(s, {}).items()}
+        base_by = {int(k): v for k, v in ((base or {}).get("levels") or {}).get(s, {}).items()}
+        rows.append([s, *[(f"{by[lv]:.3f}" + (f" [{base_by[lv]:.3f}]" if lv in base_by else "")) if lv in by else ""
+                          for lv in levels]])
+    rep.table(["suite", *[f"L{lv}" for lv in levels]], rows)
     if progress:
         rep.heading("Learning from phase to phase (held-out, as each phase measured it)")
         phases = list(progress)

@@ -111,6 +111,10 @@ def test_report_embeds_its_plots(setup):
     assert len(imgs) == 5 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
     assert "PROMOTE to champion" in html and "easy: solved" in html
     assert "Learning from phase to phase" in html and html.index(">sft<") < html.index(">grpo<")
+    # per level, per suite: the hard suite's levels apart, the scripted expert solving each (candidate [baseline])
+    assert "TGC per level, per suite" in html
+    hard_levels = sorted(res["levels"]["hard"])
+    assert hard_levels and min(hard_levels) >= 3 and "1.000 [1.000]" in html
 
 
 def test_chains_carry_the_skill_library_so_reuse_is_measured(setup):
@@ -158,6 +162,8 @@ def test_the_phase_compares_with_the_champion_by_default(setup, tmp_path, monkey
     assert t2["agentrl.gate_baseline"] == f"champion (version {first.version})" and second.baseline is not None
     assert "vs champion" in t2["agentrl.gate_reasons"]  # the paired hard-suite rule ran
     m2 = client.get_run(second.run_id).data.metrics
+    hard_levels = {k for k in m2 if k.startswith("eval/hard/tgc_level_")}
+    assert hard_levels and all(int(k.rsplit("_", 1)[1]) >= 3 for k in hard_levels), sorted(m2)
     assert m2["eval/delta/hard/tgc_paired"] == 0.0  # the same model on the same tasks, greedy
     assert second.decision.promote  # not worse: the alias moves to the newer version
     champion = Registry(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}").get_alias("champion")

@@ -1,0 +1,109 @@
+"""`agentrl learn`: paired gains over seeds and tasks with bootstrap intervals, learning.json, the README's table."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from pipelines import learn
+from tests.pipelines.test_cli import QUICK
+
+
+def _rows(successes, level=3, hard=None):
+    return [{"task": f"t{i:03d}", "level": level, "success": s, "hard": (hard or [0] * len(successes))[i],
+             "steps": 2, "tokens": 10} for i, s in enumerate(successes)]
+
+
+def _outcome(seed, per_phase, dpo=None):
+    return {"seed": seed, "parent_run_id": f"run{seed}", "dpo_pairs": dpo or {},
+            "models": {p: {s: _rows(v) for s, v in suites.items()} for p, suites in per_phase.items()}}
+
+
+def test_bootstrap_of_a_constant_difference_is_that_difference():
+    b = learn.bootstrap_mean([[1.0] * 20, [1.0] * 20, [1.0] * 20], n_boot=200)
+    assert b == {"mean": 1.0, "ci_low": 1.0, "ci_high": 1.0}
+
+
+def test_bootstrap_interval_holds_the_mean_narrows_with_tasks_and_widens_with_seed_noise():
+    rng = random.Random(1)
+    small = [[float(rng.random() < 0.5) for _ in range(20)] for _ in range(3)]
+    large = [[float(rng.random() < 0.5) for _ in range(400)] for _ in range(3)]
+    a, b = learn.bootstrap_mean(small, 500), learn.bootstrap_mean(large, 500)
+    assert a["ci_low"] < a["mean"] < a["ci_high"] and b["ci_low"] < b["mean"] < b["ci_high"]
+    assert (b["ci_high"] - b["ci_low"]) < (a["ci_high"] - a["ci_low"]) / 2
+    # seeds that disagree (one learned, two did not) widen the interval beyond what tasks alone give
+    mixed = learn.bootstrap_mean([[1.0] * 400, [0.0] * 400, [0.0] * 400], 500)
+    assert mixed["ci_low"] == 0.0 and mixed["ci_high"] == 1.0
+    with pytest.raises(ValueError, match="same 20 tasks"):
+        learn.bootstrap_mean([[0.0] * 20, [0.0] * 19])
+
+
+def test_summary_pairs_each_phase_with_its_incoming_model():
+    # sft solves 3 of 4 more than the base on easy; grpo one fewer on hard in seed 1 only
+    outcomes = [
+        _outcome(0, {"prepare": {"easy": [0, 0, 0, 0], "hard": [0, 0, 0, 0], "safety": [1, 1]},
+                     "sft": {"easy": [1, 1, 1, 0], "hard": [1, 0, 0, 0], "safety": [1, 1]},
+                     "grpo": {"easy": [1, 1, 1, 0], "hard": [1, 0, 0, 0], "safety": [1, 1]}},
+                 dpo={"accuracy": 0.75, "n_heldout": 20}),
+        _outcome(1, {"prepare": {"easy": [0, 0, 0, 0], "hard": [0, 0, 0, 0], "safety": [1, 1]},
+                     "sft": {"easy": [1, 1, 1, 0], "hard": [1, 1, 0, 0], "safety": [1, 1]},
+                     "grpo": {"easy": [1, 1, 1, 0], "hard": [1, 0, 0, 0], "safety": [1, 1]}},
+                 dpo={"accuracy": 0.5, "n_heldout": 12}),
+    ]
+    s = learn.summarize(outcomes, n_boot=300)
+    assert s["sft"]["easy"]["gain"] == 0.75 and s["sft"]["easy"]["n_tasks"] == 4 and s["sft"]["easy"]["seeds"] == 2
+    assert s["grpo"]["hard"]["gain"] == -0.125 and s["grpo"]["easy"]["gain"] == 0.0
+    assert s["grpo"]["hard"]["ci_low"] <= -0.125 <= s["grpo"]["hard"]["ci_high"]
+    assert "rejection_sampling" not in s  # not measured: no gain claimed
+    assert s["tgc"]["sft"]["hard"]["value"] == 0.375 and s["levels"]["sft"] == {"3": 0.375}
+    assert s["dpo"]["pairs"]["n_heldout"] == 32 and s["dpo"]["pairs"]["accuracy"] == pytest.approx(21 / 32)
+    assert s["meta"]["seeds"] == [0, 1] and s["meta"]["suites"] == ["easy", "hard", "safety"]
+
+
+def test_the_table_is_written_between_the_markers_and_nowhere_else(tmp_path):
+    outcomes = [_outcome(0, {"prepare": {"easy": [0, 0], "hard": [0, 0]}, "sft": {"easy": [1, 0], "hard": [0, 0]}})]
+    s = learn.summarize(outcomes, n_boot=50)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\nbefore\n{learn.TABLE_START}\nold table\n{learn.TABLE_END}\nafter\n")
+    learn.write_table(s, readme)
+    text = readme.read_text()
+    assert text.startswith("# x\nbefore\n") and text.endswith(f"{learn.TABLE_END}\nafter\n")
+    assert "old table" not in text and "| sft | +50.0 [" in text
+    learn.write_table(s, readme)
+    assert readme.read_text() == text  # the same learning.json, the same file
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(ValueError, match="plain.md: expected the markers"):
+        learn.write_table(s, tmp_path / "plain.md")
+
+
+@pytest.mark.slow
+def test_learn_runs_a_seed_measures_its_chain_and_reuses_what_it_measured(tmp_path):
+    """`agentrl learn` on small budgets: one seed's pipeline, every model of the chain measured task by task."""
+    home = tmp_path / "home"
+    env = {"AGENTRL_HOME": str(home), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "pipelines.cli", "learn", "--seed-list", "3", "--quiet", "--bootstrap", "100", *QUICK]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    learning = json.loads((home / "learning.json").read_text())
+    for phase in learn.GAIN_PHASES:
+        for suite in ("easy", "hard", "safety", "robustness"):
+            g = learning[phase][suite]
+            assert g["n_tasks"] == 4 and g["seeds"] == 1 and g["ci_low"] <= g["gain"] <= g["ci_high"], (phase, g)
+    outcome = json.loads((home / "learning" / "seed-3" / "outcomes.json").read_text())
+    assert set(outcome["models"]) == {"prepare", "sft", "grpo", "rejection_sampling", "dpo"}
+    assert outcome["seed"] == 3 and outcome["model_uris"]["dpo"].endswith("/dpo/model")
+    # the measurement is the eval phase's: the final model's easy TGC equals what the pipeline's evaluation logged
+    report = json.loads((home / "last_run.json").read_text())
+    easy = [r["success"] for r in outcome["models"]["dpo"]["easy"]]
+    assert sum(easy) / len(easy) == pytest.approx(report["metrics"]["eval"]["easy/tgc"])
+    assert "| grpo |" in res.stdout
+    # again: nothing re-run (the seed's outcomes are reused), the same learning.json; other overrides are refused
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and "measured already" in again.stdout, again.stderr[-2000:]
+    assert json.loads((home / "learning.json").read_text())["sft"] == learning["sft"]
+    other = subprocess.run([*cmd, "--set", "grpo.steps=3"], capture_output=True, text=True, env=env, timeout=300)
+    assert other.returncode != 0 and "measured with preset" in other.stderr

@@ -363,6 +363,10 @@ class SFTConfig(_Checkpointed):
     bf16: bool = False
     deepspeed: str | None = Field(None, description="'zero1' | 'zero2' | 'zero3' or a path to a DeepSpeed JSON")
     error_examples: bool = Field(False, description="add STaR-style failed-then-corrected examples")
+    recovery_ratio: float = Field(
+        0.0, ge=0, le=10, description="recovery supervision (core.recovery): this many examples per demo of an error "
+        "at any turn (an id or name miscopied, a format error), the environment's refusal, then the expert's "
+        "corrected turns (loss on those only); 0 = none")
     multi_node: MultiNodeConfig = Field(default_factory=MultiNodeConfig)
     torch_threads: int | None = Field(2, ge=1, le=512, description="CPU threads while training; None = run.torch_threads "
                                       "(SFT runs alone in its step, so both cores help on the embedded default)")
@@ -430,6 +434,8 @@ class RepairConfig(_Section):
     sft_steps: int = Field(10, ge=1)
     learning_rate: float = Field(1e-4, gt=0, lt=1, description="of the repair SFT steps")
     off_policy_expert: bool = Field(False, description="replace one of the G rollouts by an expert trajectory")
+    recovery_ratio: float = Field(0.0, ge=0, le=10, description="recovery examples (core.recovery) per expert "
+                                  "solution in the repair data: an error at some turn, its refusal, the correction")
 
 
 class SageConfig(_Section):

@@ -53,6 +53,7 @@ from components.core.generation import make_backend
 from components.core.phase import PhaseContext, PhaseResult, Places
 from components.core.phase import launch as launch_phase
 from components.core.policy import load_policy, save_policy
+from components.core.recovery import recovery_examples
 from components.core.rewards import sage_rewards
 from components.core.rollout import Group, RolloutSettings, regroup, rollout_groups
 from components.core.schema import RewardBreakdown, Task, Trajectory, Turn
@@ -397,12 +398,12 @@ class GRPORecipe:
         if ratio is not None:
             signals["control_prob_ratio"] = ratio
         alarms = self.monitor.check(signals)
-        repaired = 0.0
+        repaired, recovered = 0.0, 0
         due = g.repair.every_k_steps and (step + 1) % g.repair.every_k_steps == 0
         if (alarms and g.repair.on_alarm) or due:
             failed = [t for t in policy_eps if not t.verdict.success]
-            repaired = repair(model, self.opt, acc, failed or policy_eps, self.env, self.cfg, self.fmt, self.pad_id,
-                              step)
+            repaired, recovered = repair(model, self.opt, acc, failed or policy_eps, self.env, self.cfg, self.fmt,
+                                         self.pad_id, step)
             self.backend.sync(self.unwrapped)
         if self.sampler is not None:  # version step+1: the weights and the curriculum after this step
             self.sampler.publish(step + 1, self.unwrapped, self.curriculum.state_dict())
@@ -419,6 +420,7 @@ class GRPORecipe:
                if (v := self.curriculum.success(lv)) is not None},
             **{f"monitor/{k}": v for k, v in signals.items()},
             **{f"alarm/{a}": 1.0 for a in alarms}, "alarms": float(len(alarms)), "repair/sft_loss": repaired,
+            "repair/recovery_examples": float(recovered),
             "filtered_groups": filtered, "loss": stats["loss"], "clip_fraction": stats["clip_fraction"],
             "grad_norm": stats["grad_norm"], "trained_tokens": stats["tokens"],
             "learning_rate": self.sched.get_last_lr()[0],
@@ -589,25 +591,35 @@ def update(model, ref, opt, sched, acc, batch: list[Sample], g, pad_id: int, con
 
 
 def repair(model, opt, acc, failed: list[Trajectory], env: LoadedEnvironment, cfg: PipelineConfig, fmt: ChatFormat,
-           pad_id: int, step: int) -> float:
+           pad_id: int, step: int) -> tuple[float, int]:
     """The alternating SFT phase: `repair.sft_steps` supervised steps on the expert's solutions of the
-    tasks the policy failed (error-example supervision), at `repair.learning_rate`. Returns the mean loss."""
+    tasks the policy failed and (`repair.recovery_ratio`) recovery examples made from them, at
+    `repair.learning_rate`. Returns the mean loss and the number of recovery examples."""
     by_id = {t.id: t for suite in ("train", "practice") for t in env.suites.get(suite, [])}
     tasks = list({t.task_id: by_id[t.task_id] for t in failed if t.task_id in by_id}.values())
     if not tasks:
-        return 0.0
-    samples = []
+        return 0.0, 0
+    samples, solved = [], []
     make_env = env.factory()
     for task in tasks:
         episode = make_env()
         try:
-            traj = expert_trajectory(episode, task, fmt, env.expert)
+            traj = env.expert(episode, task)
         finally:
             episode.close()
         if traj is not None and traj.verdict.success:
-            samples.append(sample_from_turns(traj.turns, 0.0))
+            solved.append(traj)
+    # the solutions, and (recovery supervision) an error at some turn of them, its refusal, the corrected turns
+    for traj in solved:
+        ids, mask = encode_messages(fmt.tok, messages(traj))
+        samples.append(Sample(ids, mask, [0.0] * len(ids), [math.nan] * len(ids)))
+    recovery = recovery_examples(solved, env, cfg.run.seed + step, cfg.grpo.repair.recovery_ratio,
+                                 suites=("train", "practice"))
+    for ex in recovery:
+        ids, mask = fmt.encode_conversation(ex["prompt"] + ex["completion"], len(ex["prompt"]))
+        samples.append(Sample(ids, mask, [0.0] * len(ids), [math.nan] * len(ids)))
     if not samples:
-        return 0.0
+        return 0.0, 0
     rng = random.Random(f"grpo-repair:{cfg.run.seed}:{step}")
     saved = [grp["lr"] for grp in opt.param_groups]
     for grp in opt.param_groups:
@@ -629,7 +641,7 @@ def repair(model, opt, acc, failed: list[Trajectory], env: LoadedEnvironment, cf
     finally:
         for grp, lr in zip(opt.param_groups, saved, strict=True):
             grp["lr"] = lr
-    return sum(losses) / len(losses)
+    return sum(losses) / len(losses), len(recovery)
 
 
 def _skill_reuse(episodes: list[Trajectory]) -> float:

@@ -29,6 +29,7 @@ from components.core.config import load_config
 from components.core.phase import PhaseContext, PhaseResult, Places
 from components.core.phase import launch as launch_phase
 from components.core.policy import save_policy, save_tokenizer
+from components.core.recovery import recovery_examples
 from components.core.schema import Trajectory, read_jsonl, to_record
 from components.core.tokens import demo_example
 from components.core.tracking import rank
@@ -71,8 +72,10 @@ def run(preset: str = "tiny", overrides: str = "", base_model: str = "", demos: 
         trajs = load_demos(data_uri)
         examples = [demo_example(t) for t in trajs]
         extra = error_examples(trajs, ctx.environment(), cfg.run.seed) if cfg.sft.error_examples else []
-        examples += extra
-        tracker.log_metrics({"demos": len(trajs), "error_examples": len(extra)}, step=0)
+        recovery = recovery_examples(trajs, ctx.environment(), cfg.run.seed, cfg.sft.recovery_ratio)
+        examples += extra + recovery
+        tracker.log_metrics({"demos": len(trajs), "error_examples": len(extra), "recovery_examples": len(recovery)},
+                            step=0)
 
         # 4. train
         policy = ctx.load_policy(base_uri, base_model=True)

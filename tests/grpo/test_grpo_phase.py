@@ -37,7 +37,7 @@ def _metrics(home, run_id):
 
 
 def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypatch, tiny_model_dir):
-    ov = _overrides(tmp_path, repair={"every_k_steps": 2, "sft_steps": 1})
+    ov = _overrides(tmp_path, repair={"every_k_steps": 2, "sft_steps": 1, "recovery_ratio": 1.0})
     cfg = load_config(overrides_json=json.dumps(ov))
     from components.sandbox.suites import load_sandbox
 
@@ -61,6 +61,8 @@ def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypat
     assert 0 < m["grpo/success_rate"] < 1 and m["grpo/trained_tokens"] > 0 and m["grpo/grad_norm"] > 0
     assert m["grpo/monitor/kl"] >= 0 and "grpo/monitor/control_prob_ratio" in m
     assert [x.step for x in client.get_metric_history(res.run_id, "grpo/heldout/easy/tgc")] == [0, 2, 3]
+    # the repair after step 2 trained on recovery examples made from the expert's solutions of the failed tasks
+    assert any(x.value > 0 for x in client.get_metric_history(res.run_id, "grpo/repair/recovery_examples"))
     assert m["grpo/repair/sft_loss"] > 0 or any(x.value > 0 for x in client.get_metric_history(res.run_id, "grpo/repair/sft_loss"))
     # checkpoints: the last two, complete, named by step; the state says where to resume
     steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-"))

@@ -5,6 +5,7 @@ import pytest
 from components.core import env as environments
 from components.core.config import SandboxConfig, SFTConfig, TinyModelConfig, load_config
 from components.core.policy import load_policy
+from components.core.recovery import mistakes
 from components.core.tiny import build_tiny_model
 from components.core.tokens import demo_example
 from components.core.training import build_dataset, train_sft
@@ -13,7 +14,7 @@ from components.sandbox.recipe import corpus_lines
 from components.sandbox.tasks import generate_tasks
 from components.sandbox.workspace import WorkspaceEnv
 from components.sandbox.world import generate_world
-from components.sft.errors import error_examples, mistakes
+from components.sft.errors import error_examples
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,7 @@ def host_pip_mounts() -> list[str]:
             for item in value.split():
                 item = item.removeprefix("file://")
                 if item.startswith("/") and os.path.exists(item):
-                    paths.add(item.rstrip("/").removesuffix("/simple") if item.rstrip("/").endswith("/simple") else item)
+                    paths.add(item.rstrip("/").removesuffix("/simple"))  # an index: its folder (wheels beside it)
     flags = []
     for p in sorted(paths):
         flags += ["-v", f"{p}:{p}:ro"]

@@ -54,12 +54,12 @@ _ONE_GPU = dict(_GPU_POOL, gpus=1, cpu="16", memory="200Gi", shm_size="32Gi", ca
                 retries=3)
 # the phases that generate (the h100 preset sets generation.backend=vllm) run in the image that has vLLM
 _ROLLOUT = {"image": "rollout"}
+GENERATING = ("grpo", "rejection_sampling", "dpo", "evaluate")  # the phases that run in the rollout image
 
 PLANS: dict[str, dict[str, dict[str, Any]]] = {
     "local": {"configure": {"cache": True}},
     # `agentrl run --runner docker`: each task in the image the cluster gives it (kfp.local ignores resources)
-    "containers": {"configure": {"cache": True}, **{ph: dict(_ROLLOUT) for ph in
-                                                    ("grpo", "rejection_sampling", "dpo", "evaluate")}},
+    "containers": {"configure": {"cache": True}, **{ph: dict(_ROLLOUT) for ph in GENERATING}},
     "h100": {
         "defaults": {"secrets": _SECRETS, "config_maps": _PLATFORM},
         "configure": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 2, "cache": True},

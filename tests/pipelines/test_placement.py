@@ -140,6 +140,14 @@ def test_local_plan_applies_nothing(tmp_path):
     assert all("resources" not in e["container"] for e in execs.values())
 
 
+def test_containers_run_each_phase_in_the_image_the_cluster_gives_it():
+    from pipelines.placement import GENERATING, PLANS
+
+    cluster, local = PLANS["h100"], PLANS["containers"]
+    in_rollout = {ph for ph, spec in cluster.items() if isinstance(spec, dict) and spec.get("image") == "rollout"}
+    assert in_rollout == set(GENERATING) == {ph for ph, spec in local.items() if spec.get("image") == "rollout"}
+
+
 def test_placement_file_overrides_and_errors(tmp_path):
     f = tmp_path / "pool.yaml"
     f.write_text("defaults:\n  node_selector: {cloud.google.com/gke-accelerator: nvidia-h100-80gb}\n"

@@ -131,7 +131,7 @@ class PhaseContext:
         return TrainerCheckpoints(self.checkpoint_root(uri), staging, every, keep, resume)
 
     @contextlib.contextmanager
-    def open(self, resume: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> Iterator[Any]:
+    def open(self, resume: dict[str, Any] | None = None) -> Iterator[Any]:
         """The phase's MLflow run under the pipeline's parent run; `resume`: the state a checkpoint saved (its run and
         parent run are continued). Sets `tracker` and the work directory (given, or under <home>/runs)."""
         from components.core.tracking import phase_run
@@ -142,8 +142,6 @@ class PhaseContext:
             self.tracker = tracker
             self.work = Path(self.work_dir or self.home / "runs" / tracker.run_id / self.phase)
             self.work.mkdir(parents=True, exist_ok=True)
-            if tags:
-                tracker.set_tags(tags)
             yield tracker
 
     @property

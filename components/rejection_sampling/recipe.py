@@ -64,6 +64,12 @@ def select_best(samples: list[Trajectory], k: int, similarity: float) -> dict[st
     return TrajectoryBuffer([t for t in samples if clean_success(t)]).top_k(k, similarity=similarity)
 
 
+def eval_suite(env: LoadedEnvironment, name: str) -> str:
+    """The suite hard tasks are probed at and the gain measured on: `name`, or another environment's own held-out
+    suite (hardest-named last) when it has no suite of that name."""
+    return pick_suites(env, [name])[-1]
+
+
 def best_of_n(cfg, env: LoadedEnvironment, policy, policy_model: str, tracker) -> tuple[list[Trajectory], dict[str, float]]:
     """Steps 2-4: probe the pool's tasks at the probed levels, pick the hard ones, sample N on each, keep the top k."""
     rs = cfg.rejection_sampling
@@ -76,7 +82,7 @@ def best_of_n(cfg, env: LoadedEnvironment, policy, policy_model: str, tracker) -
         return rollout(backend, env.factory(), fmt, tasks, settings, rewards=cfg.rewards)
 
     # 2-3. probe, pick the hard tasks
-    suite = pick_suites(env, [rs.eval_suite])[-1]  # another environment's own (hardest-named last) without this one
+    suite = eval_suite(env, rs.eval_suite)
     levels = set(rs.levels or {t.level for t in env.suites[suite]})
     pool = [t for t in env.online_tasks(rs.task_pool) if t.level in levels]
     if not pool:
@@ -149,7 +155,7 @@ def run(preset: str = "tiny", overrides: str = "", policy_model: str = "", **pla
                 shutil.rmtree(out)
             shutil.copytree(policy_model, out)
         # 6. the gain, on held-out tasks (a passed-through model has the incoming weights: not re-measured)
-        suite = pick_suites(ctx.environment(), [rs.eval_suite])[-1]
+        suite = eval_suite(ctx.environment(), cfg.rejection_sampling.eval_suite)
         metrics.update(ctx.before_after(policy_model, str(out) if chosen else None, [suite]))
         tgc = f"{suite}/tgc"
         metrics[f"gain/{tgc}"] = metrics[tgc] - metrics[f"incoming/{tgc}"]

@@ -71,7 +71,8 @@ def _column(outcomes: Sequence[dict], phase: str, suite: str, key: str) -> list[
 
 def summarize(outcomes: Sequence[dict], n_boot: int = 2000, confidence: float = 0.95) -> dict[str, Any]:
     """learning.json from the seeds' outcomes: {phase: {suite: {gain, ci_low, ci_high, n_tasks, seeds}}},
-    `dpo.pairs`, and (other keys) `tgc` and `safety_violation_rate` after each phase, `levels` (hard TGC per level)."""
+    `dpo.pairs`, and (other keys) `tgc` and `safety_violation_rate` after each phase, `levels` (hard TGC per level),
+    `cost` (tokens and steps per task, SGC)."""
     if not outcomes:
         raise ValueError("summarize: no seed has outcomes")
     have = [p for p, _ in CHAIN if all(p in o["models"] for o in outcomes)]
@@ -98,8 +99,14 @@ def summarize(outcomes: Sequence[dict], n_boot: int = 2000, confidence: float = 
             "accuracy": round(sum(sum(h) for h in hits) / n, 6), "n_heldout": n, "seeds": len(accs),
             "per_seed": [{"accuracy": a["accuracy"], "n_heldout": a["n_heldout"]} for a in accs],
             **({"ci_low": b["ci_low"], "ci_high": b["ci_high"]} if b else {})}
-    out["tgc"], out["safety_violation_rate"], out["levels"] = {}, {}, {}
+    out["tgc"], out["safety_violation_rate"], out["levels"], out["cost"] = {}, {}, {}, {}
     for phase in have:
+        out["cost"][phase] = {s: {"tokens_per_task": _ci(bootstrap_mean(_column(outcomes, phase, s, "tokens"), n_boot,
+                                                                         confidence)),
+                                  "steps_per_task": round(sum(map(sum, _column(outcomes, phase, s, "steps")))
+                                                          / (n_seeds * len(outcomes[0]["models"][phase][s])), 3),
+                                  "sgc": round(sum(_sgc(o["models"][phase][s]) for o in outcomes) / n_seeds, 6)}
+                              for s in suites}
         out["tgc"][phase] = {s: _ci(bootstrap_mean(_column(outcomes, phase, s, "success"), n_boot, confidence))
                              for s in suites}
         out["safety_violation_rate"][phase] = {s: _ci(bootstrap_mean(_column(outcomes, phase, s, "hard"), n_boot,
@@ -113,6 +120,14 @@ def summarize(outcomes: Sequence[dict], n_boot: int = 2000, confidence: float = 
     out["meta"] = {"seeds": [o["seed"] for o in outcomes], "suites": suites, "bootstrap": n_boot,
                    "confidence": confidence, "runs": {str(o["seed"]): o.get("parent_run_id") for o in outcomes}}
     return out
+
+
+def _sgc(rows: Sequence[dict]) -> float:
+    """Scenario goal completion: the share of scenarios whose every task was solved."""
+    by: dict[str, list[int]] = {}
+    for r in rows:
+        by.setdefault(r.get("scenario", r["task"]), []).append(r["success"])
+    return sum(all(v) for v in by.values()) / max(1, len(by))
 
 
 def _ci(b: dict[str, float]) -> dict[str, float]:
@@ -184,7 +199,8 @@ def write_table(learning: dict[str, Any], path: str | os.PathLike) -> None:
 # Running the seeds
 # ----------------------------------------------------------------------------------------------
 def _task_rows(trajectories: Sequence[Any]) -> list[dict[str, Any]]:
-    return [{"task": t.task_id, "level": int(t.meta.get("level", 0)), "success": int(bool(t.verdict.success)),
+    return [{"task": t.task_id, "scenario": t.meta.get("scenario_id", t.task_id), "level": int(t.meta.get("level", 0)),
+             "success": int(bool(t.verdict.success)),
              "hard": int(any(v.startswith("hard:") for v in t.verdict.violations)), "steps": t.steps,
              "tokens": t.generated_tokens} for t in trajectories]
 

@@ -62,6 +62,8 @@ def test_summary_pairs_each_phase_with_its_incoming_model():
     assert s["tgc"]["sft"]["hard"]["value"] == 0.375 and s["levels"]["sft"] == {"3": 0.375}
     assert s["dpo"]["pairs"]["n_heldout"] == 32 and s["dpo"]["pairs"]["accuracy"] == pytest.approx(21 / 32)
     assert s["meta"]["seeds"] == [0, 1] and s["meta"]["suites"] == ["easy", "hard", "safety"]
+    assert s["cost"]["sft"]["easy"]["tokens_per_task"]["value"] == 10 and s["cost"]["sft"]["easy"]["steps_per_task"] == 2
+    assert s["cost"]["sft"]["safety"]["sgc"] == 1.0 and s["cost"]["prepare"]["easy"]["sgc"] == 0.0
 
 
 def test_the_table_is_written_between_the_markers_and_nowhere_else(tmp_path):

@@ -4,8 +4,9 @@
    same tasks in every run), each seed with a registered model of its own, so no seed's DPO or gate sees another
    seed's champion.
 2. Measure every model of the chain — base (prepare), sft, grpo, rejection_sampling, dpo — greedily on each
-   held-out suite, task by task, with the shared evaluation kit (`core.evaluate`); a seed's outcomes are written
-   to `<out>/seed-<n>/outcomes.json`, so an interrupted `make learn` goes on where it stopped.
+   held-out suite, task by task, with the shared evaluation kit (`core.evaluate`); a seed's run is recorded in
+   `<out>/seed-<n>/run.json` and its outcomes in `outcomes.json`, so an interrupted `make learn` goes on where it
+   stopped, and `--eval-set` (e.g. larger held-out suites) measures the runs already there again.
 3. Per phase and suite: the mean gain in TGC over the phase's incoming model and its bootstrap interval, resampling
    seeds and then tasks (the differences are paired: one task, one seed, two models); the safety violation rate
    after each phase, likewise; DPO's held-out implicit-reward accuracy over its held-out pairs.
@@ -273,30 +274,37 @@ def learn(seeds: Sequence[int], preset: str | None = None, set_pairs: Sequence[s
     out_dir = Path(out_dir or home / "learning")
     tracking_uri = resolve_tracking_uri(base_cfg.tracking.tracking_uri, home)
     outcomes = []
+    run_key = {"preset": base_cfg.preset, "overrides": list(set_pairs)}
     for seed in seeds:
-        done = out_dir / f"seed-{seed}" / "outcomes.json"
-        if done.is_file():
-            o = json.loads(done.read_text())
-            if o.get("overrides") != [*set_pairs, *eval_pairs] or o.get("preset") != base_cfg.preset:
-                raise ValueError(f"{done}: measured with preset {o.get('preset')!r} and overrides "
-                                 f"{o.get('overrides')}, not {base_cfg.preset!r} and {[*set_pairs, *eval_pairs]}: "
-                                 "give another --home, or move that folder away to measure again")
+        seed_dir = out_dir / f"seed-{seed}"
+        done, ran = seed_dir / "outcomes.json", seed_dir / "run.json"
+        o = json.loads(done.read_text()) if done.is_file() else None
+        run = json.loads(ran.read_text()) if ran.is_file() else o  # a run's record: its own file, or its outcomes'
+        if run is not None and {k: run.get(k) for k in run_key} != run_key:
+            raise ValueError(f"{ran if ran.is_file() else done}: run with preset {run.get('preset')!r} and overrides "
+                             f"{run.get('overrides')}, not {base_cfg.preset!r} and {list(set_pairs)}: give another "
+                             "--home, or move that folder away to run again")
+        if o is not None and o.get("eval_overrides", []) == list(eval_pairs):
             print(f"agentrl learn: seed {seed}: measured already ({done})", flush=True)
             outcomes.append(o)
             continue
         started = time.time()
-        report = run_seed(seed, preset, set_pairs, home, out_dir / f"seed-{seed}" / "run.log")
-        print(f"agentrl learn: seed {seed}: pipeline FINISHED in {report['wall_s']:.0f} s "
-              f"(parent run {report['parent_run_id']})", flush=True)
+        if run is None:
+            report = run_seed(seed, preset, set_pairs, home, seed_dir / "run.log")
+            print(f"agentrl learn: seed {seed}: pipeline FINISHED in {report['wall_s']:.0f} s "
+                  f"(parent run {report['parent_run_id']})", flush=True)
+            run = {**run_key, "seed": seed, "parent_run_id": report["parent_run_id"],
+                   "wall_s": {"pipeline": report["wall_s"]}}
+            _write_whole(ran, run)
+        else:  # the run is there; the measurement asked for is another (e.g. larger held-out suites)
+            print(f"agentrl learn: seed {seed}: run {run['parent_run_id']} measured again with {list(eval_pairs)}",
+                  flush=True)
         cfg = load_config(preset=preset, set_pairs=[*set_pairs, *eval_pairs, f"run.seed={seed}", f"run.home={home}"])
         os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
-        o = measure_seed(cfg, report["parent_run_id"], tracking_uri, progress)
-        o["wall_s"] = {"pipeline": report["wall_s"], "total": round(time.time() - started, 1)}
-        o["preset"], o["overrides"] = base_cfg.preset, [*set_pairs, *eval_pairs]
-        done.parent.mkdir(parents=True, exist_ok=True)
-        tmp = done.with_suffix(".tmp")
-        tmp.write_text(json.dumps(o))
-        tmp.replace(done)  # whole or absent: a rerun trusts what it finds
+        o = measure_seed(cfg, run["parent_run_id"], tracking_uri, progress)
+        o.update(run_key, eval_overrides=list(eval_pairs),
+                 wall_s={"pipeline": run.get("wall_s", {}).get("pipeline"), "measure": round(time.time() - started, 1)})
+        _write_whole(done, o)
         outcomes.append(o)
     learning = summarize(outcomes, n_boot, base_cfg.eval.confidence)
     learning["meta"]["preset"] = base_cfg.preset
@@ -304,6 +312,14 @@ def learn(seeds: Sequence[int], preset: str | None = None, set_pairs: Sequence[s
     learning["meta"]["eval_overrides"] = list(eval_pairs)
     (home / "learning.json").write_text(json.dumps(learning, indent=1))
     return learning
+
+
+def _write_whole(path: Path, data: dict[str, Any]) -> None:
+    """Whole or absent: a rerun trusts what it finds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
 
 
 def cmd_learn(args) -> int:

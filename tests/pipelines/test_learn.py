@@ -108,4 +108,11 @@ def test_learn_runs_a_seed_measures_its_chain_and_reuses_what_it_measured(tmp_pa
     assert again.returncode == 0 and "measured already" in again.stdout, again.stderr[-2000:]
     assert json.loads((home / "learning.json").read_text())["sft"] == learning["sft"]
     other = subprocess.run([*cmd, "--set", "grpo.steps=3"], capture_output=True, text=True, env=env, timeout=300)
-    assert other.returncode != 0 and "measured with preset" in other.stderr
+    assert other.returncode == 2 and "run with preset" in other.stderr
+    # another measurement of the same run (larger held-out suites): measured again, not run again
+    larger = subprocess.run([*cmd, "--eval-set", "sandbox.suite_sizes={easy: 7, hard: 4, safety: 4, robustness: 4}"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert larger.returncode == 0 and "measured again" in larger.stdout, larger.stderr[-2000:]
+    assert "pipeline FINISHED" not in larger.stdout
+    again = json.loads((home / "learning.json").read_text())
+    assert again["sft"]["easy"]["n_tasks"] == 7 and again["sft"]["hard"] == learning["sft"]["hard"]

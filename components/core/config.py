@@ -555,6 +555,9 @@ class ABSimulatorConfig(_Section):
     requests: int = Field(100, ge=1, description="simulated requests, each answered by both variants (the tiny "
                           "policy answers most the same way twice: 100 requests gave 8 pairs, 400 gave 68-87 but "
                           "took the DPO step from ~1.3 to 11.5 min of make run)")
+    answers_per_variant: int = Field(
+        1, ge=1, le=16, description="answers each variant gives a request (sampled): k x k answer pairs per request "
+        "can contrast, for k times the rollouts")
     noise_rate: float = Field(0.1, ge=0, le=0.5, description="probability that simulated feedback is flipped")
     correction_rate: float = Field(0.5, ge=0, le=1, description="probability that a thumbs-down comes with a correction")
     suite: SuiteName = Field(

@@ -47,9 +47,11 @@ def draw_requests(sandbox: Any, sim: ABSimulatorConfig, rng: random.Random) -> l
 
 def _sample(policy: Any, model_dir: str, cfg: PipelineConfig, make_env, tasks: list[Task], name: str, seed: int,
             progress: bool) -> list[Trajectory]:
+    """`answers_per_variant` answers to each task, in task order (a task's answers together)."""
     backend = make_backend(cfg.generation.backend, policy.model, policy.tokenizer, cfg.generation,
                            model_dir=model_dir, device=cfg.run.torch_device())
-    settings = RolloutSettings.from_config(cfg, seed=seed, policy_name=name, progress=progress)
+    settings = RolloutSettings.from_config(cfg, seed=seed, policy_name=name, progress=progress,
+                                           group_size=cfg.dpo.simulate.answers_per_variant)
     return rollout(backend, make_env, ChatFormat(policy.tokenizer), tasks, settings, rewards=cfg.rewards)
 
 
@@ -66,11 +68,12 @@ def simulate_ab(
 
     answers = {"A": _sample(policy_a, model_a, cfg, make_env, tasks, "ab-A", cfg.run.seed, progress),
                "B": _sample(policy_b, model_b, cfg, make_env, tasks, "ab-B", cfg.run.seed + 1, progress)}
+    k = sim.answers_per_variant
     records, stats = [], {"requests": float(len(tasks)), "up_A": 0.0, "up_B": 0.0, "flipped": 0.0, "corrections": 0.0}
     experts: dict[str, Trajectory] = {}
     for i, task in enumerate(tasks):
-        for variant, model_id in (("A", model_a), ("B", model_b)):
-            traj = answers[variant][i]
+        for variant, model_id, j in [(v, m, j) for v, m in (("A", model_a), ("B", model_b)) for j in range(k)]:
+            traj = answers[variant][i * k + j]  # a request's k answers of one variant sit together
             good = traj.verdict.success and not _hard_violation(traj)
             thumb = "up" if good else "down"
             if rng.random() < sim.noise_rate:

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
     overrides = {"run": {"home": str(tmp_path / "home")}, "sandbox": {"max_turns": 3, "suite_sizes": {"safety": 6}},
                  "generation": {"max_new_tokens": 24},
-                 "dpo": {"simulate": {"requests": 12, "correction_rate": 1.0, "noise_rate": 0.0}, "epochs": 4,
+                 "dpo": {"simulate": {"requests": 8, "answers_per_variant": 2, "correction_rate": 1.0, "noise_rate": 0.0},
+                         "epochs": 4,
                          "learning_rate": 1e-3, "batch_size": 4, "min_pairs": 4, "heldout_fraction": 0.25},
                  "sft": {"eval_suites": []}}
     cfg = load_config(overrides_json=json.dumps(overrides))
@@ -36,7 +37,11 @@ def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
               work_dir=str(tmp_path / "work"))
 
     logs = list(read_jsonl(tmp_path / "work" / "ab_logs" / "simulated.jsonl", ABRecord))
-    assert len(logs) == 24 and {r.variant for r in logs} == {"A", "B"}
+    assert len(logs) == 32 and {r.variant for r in logs} == {"A", "B"}
+    per_request = {}
+    for r in logs:  # two answers of each variant to every request
+        per_request.setdefault(r.request_id, []).append(r.variant)
+    assert len(per_request) == 8 and all(sorted(v) == ["A", "A", "B", "B"] for v in per_request.values())
     a_models = {r.model_id for r in logs if r.variant == "A"}
     assert len(a_models) == 1 and "champion" in a_models.pop() and {r.model_id for r in logs if r.variant == "B"} == {
         str(model)}

@@ -18,6 +18,7 @@ import copy
 import difflib
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -843,6 +844,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) reads 5e-5 and 1e3 as strings (it wants a dot); every config writes learning rates that way, so
+# the YAML 1.2 float form is added: '5e-5' -> 5e-05, as JSON and Python read it
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 MAX_CONFIG_BYTES = 1 << 20

@@ -37,6 +37,16 @@ def test_set_coerces_types():
     assert cfg.grpo.curriculum.start_mix == {1: 0.5, 2: 0.5}
 
 
+def test_exponent_floats_as_json_reads_them(tmp_path):
+    """PyYAML (YAML 1.1) reads 5e-5 as the string '5e-5'; a learning rate written that way must be the number."""
+    cfg = load_config(set_pairs=["dpo.learning_rate=5e-5", "grpo.learning_rate=2E-6"])
+    assert (cfg.dpo.learning_rate, cfg.grpo.learning_rate) == (5e-5, 2e-6)
+    f = tmp_path / "c.yaml"
+    f.write_text("sft:\n  learning_rate: 3e-4\n")
+    assert load_config(files=[f]).sft.learning_rate == 3e-4
+    assert load_config(set_pairs=["sft.data_uri=runs/5e3"]).sft.data_uri == "runs/5e3"  # not a number: text
+
+
 def test_preset_from_file(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("preset: h100\nmodel:\n  base_uri: /models/llama\n")

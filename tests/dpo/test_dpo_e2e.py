@@ -22,7 +22,7 @@ def test_dpo_phase_on_simulated_ab_logs(tmp_path, monkeypatch):
     overrides = {"run": {"home": str(tmp_path / "home")}, "sandbox": {"max_turns": 3, "suite_sizes": {"safety": 6}},
                  "generation": {"max_new_tokens": 24},
                  "dpo": {"simulate": {"requests": 8, "answers_per_variant": 2, "correction_rate": 1.0, "noise_rate": 0.0},
-                         "epochs": 4,
+                         "epochs": 4, "sft_weight": 0.0,  # plain DPO: its loss starts at ln 2 (below)
                          "learning_rate": 1e-3, "batch_size": 4, "min_pairs": 4, "heldout_fraction": 0.25},
                  "sft": {"eval_suites": []}}
     cfg = load_config(overrides_json=json.dumps(overrides))

@@ -83,6 +83,7 @@ def test_the_table_is_written_between_the_markers_and_nowhere_else(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a pipeline run and four measurements; each subprocess has its own bound below
 def test_learn_runs_a_seed_measures_its_chain_and_reuses_what_it_measured(tmp_path):
     """`agentrl learn` on small budgets: one seed's pipeline, every model of the chain measured task by task."""
     home = tmp_path / "home"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -117,3 +118,20 @@ def test_learn_runs_a_seed_measures_its_chain_and_reuses_what_it_measured(tmp_pa
     assert "pipeline FINISHED" not in larger.stdout
     again = json.loads((home / "learning.json").read_text())
     assert again["sft"]["easy"]["n_tasks"] == 7 and again["sft"]["hard"] == learning["sft"]["hard"]
+
+
+def test_phase_variants_needs_a_learn_run_and_a_valid_variant(tmp_path, capsys, monkeypatch):
+    from pipelines import phase_variants
+
+    monkeypatch.setenv("AGENTRL_HOME", str(tmp_path / "unchanged"))
+
+    assert phase_variants.main(["dpo", "--home", str(tmp_path), "--name", "x"]) == 2
+    assert "learning/seed-0/run.json: not found" in capsys.readouterr().err
+    seed = tmp_path / "learning" / "seed-0"
+    seed.mkdir(parents=True)
+    (seed / "run.json").write_text(json.dumps({"preset": "tiny", "overrides": [], "parent_run_id": "r"}))
+    from components.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="dpo.sft_weight"):  # a bad variant fails before any work
+        phase_variants.main(["dpo", "--home", str(tmp_path), "--name", "x", "--set", "dpo.sft_weight=-1"])
+    assert os.environ["AGENTRL_HOME"] == str(tmp_path / "unchanged")

@@ -135,3 +135,31 @@ def test_phase_variants_needs_a_learn_run_and_a_valid_variant(tmp_path, capsys, 
     with pytest.raises(ConfigError, match="dpo.sft_weight"):  # a bad variant fails before any work
         phase_variants.main(["dpo", "--home", str(tmp_path), "--name", "x", "--set", "dpo.sft_weight=-1"])
     assert os.environ["AGENTRL_HOME"] == str(tmp_path / "unchanged")
+
+
+def test_phase_variants_compare_pairs_runs_and_tasks(tmp_path, capsys):
+    from pipelines import phase_variants
+
+    def write(name, success, tokens, skill):
+        rows = [{"task": f"t{i}", "scenario": f"s{i // 2}", "level": 1, "success": s, "hard": 0, "steps": 2,
+                 "tokens": k, "skill": u} for i, (s, k, u) in enumerate(zip(success, tokens, skill, strict=True))]
+        d = tmp_path / "variants" / f"grpo-seed0-{name}"
+        d.mkdir(parents=True)
+        (d / "tasks.json").write_text(json.dumps({"easy": rows}))
+
+    write("a0", [1, 0, 1, 0], [10, 10, 10, 10], [0, 0, 0, 0])
+    write("b0", [1, 1, 1, 1], [6, 6, 6, 6], [0, 1, 0, 1])
+    write("a1", [1, 1, 0, 0], [10, 10, 10, 10], [0, 0, 0, 0])
+    write("b1", [1, 1, 0, 0], [8, 8, 8, 8], [0, 0, 0, 0])
+    assert phase_variants.main(["compare", "--home", str(tmp_path), "a0,a1", "b0,b1"]) == 0
+    easy = json.loads(capsys.readouterr().out)["suites"]["easy"]
+    assert easy["success"]["a"] == 0.5 and easy["success"]["b"] == 0.75 and easy["success"]["diff"] == 0.25
+    assert 0.0 <= easy["success"]["ci_low"] <= 0.25 < easy["success"]["ci_high"]  # no task got worse: no draw below 0
+    assert easy["tokens"]["diff"] == -3.0 and -4.0 <= easy["tokens"]["ci_low"] <= easy["tokens"]["ci_high"] <= -2.0
+    assert easy["skill"]["b"] == 0.25
+    # SGC: scenarios s0 (t0, t1) and s1 (t2, t3); a0 solves neither whole, b0 both; a1 s0, b1 s0
+    assert easy["sgc"]["a"] == 0.25 and easy["sgc"]["b"] == 0.75 and easy["sgc"]["diff"] == 0.5
+    assert phase_variants.main(["compare", "--home", str(tmp_path), "a0,a1", "b0"]) == 2
+    assert "as many runs of A as of B" in capsys.readouterr().err
+    assert phase_variants.main(["compare", "--home", str(tmp_path), "a0", "zz"]) == 2
+    assert "grpo-seed0-zz/tasks.json: not found" in capsys.readouterr().err

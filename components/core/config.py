@@ -273,17 +273,18 @@ class SandboxServerConfig(_Section):
 
 class SandboxConfig(_Section):
     seed: int = Field(0, ge=0)
-    num_users: int = Field(6, ge=1, le=100_000)
+    num_users: int = Field(12, ge=1, le=100_000, description="users of the world; every user adds instances of every "
+                           "task family (6 users: 22 and 20 train instances at L4 and L5; 12: 72 and 58)")
     emails_per_user: int = Field(40, ge=0, le=100_000)
     files_per_user: int = Field(12, ge=0, le=100_000)
     events_per_user: int = Field(10, ge=0, le=100_000)
     channels_per_user: int = Field(3, ge=0, le=10_000)
     train_tasks_per_level: int = Field(200, ge=1)
     practice_reserve: float = Field(
-        0.0, ge=0, lt=1, description="share of every level's train pool kept out of the train suite (no SFT demo shows "
-        "it) for the practice suite; at 0 the default world's small L3-L5 pools all go to the demos and the online "
-        "phases fall back to them there (0.25, measured once: a less trained SFT model, hard TGC 0.35, that GRPO then "
-        "lowered; off until a run shows it helps)")
+        0.2, ge=0, lt=1, description="share of every level's train pool kept out of the train suite (no SFT demo shows "
+        "it) for the practice suite, so GRPO, rejection sampling and the simulated A/B requests meet unseen instances "
+        "at every level (the default world: practice 200/200/161/15/12 at L1-L5, demos 200/200/200/57/46); at 0 the "
+        "small L4-L5 pools all go to the demos and the online phases fall back to them there")
     practice_tasks_per_level: int = Field(
         200, ge=0, description="the practice suite: train-pool instances left after the train suite (no SFT demo shows "
         "them), at most this many a level, for GRPO, rejection sampling and simulated A/B requests; a level whose pool "

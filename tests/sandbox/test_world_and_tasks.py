@@ -3,6 +3,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
+
 from components.core.config import SandboxConfig
 from components.core.schema import to_record
 from components.sandbox.tasks import FAMILIES, SUITE_FAMILIES, generate_tasks
@@ -90,13 +92,31 @@ def test_practice_holds_train_pool_instances_no_demo_shows(suites, world, cfg):
         task_digest({k: v for k, v in without.items() if k != "practice"})
 
 
-def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_alone(world, cfg):
+@pytest.fixture(scope="module")
+def small_world(cfg):
+    """The world of the first round's default (6 users): its L3-L5 pools are small enough for the demos to take."""
+    small = cfg.model_copy(update={"num_users": 6})
+    return generate_world(small), small
+
+
+def test_default_world_leaves_practice_at_every_level(suites, cfg):
     from collections import Counter
 
+    practice, train = Counter(t.level for t in suites["practice"]), Counter(t.level for t in suites["train"])
+    assert cfg.practice_reserve > 0 and set(practice) == {1, 2, 3, 4, 5}
+    assert min(practice.values()) >= 10 and min(train.values()) >= 40  # unseen instances and demos at every level
+    seen = {tuple(t.solution["key"]) for t in suites["train"]}
+    assert not seen & {tuple(t.solution["key"]) for t in suites["practice"]}
+
+
+def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_alone(small_world):
+    from collections import Counter
+
+    world, cfg = small_world
     cfg = cfg.model_copy(update={"practice_reserve": 0.25})
     suites = generate_tasks(world, cfg)
     practice, train = Counter(t.level for t in suites["practice"]), Counter(t.level for t in suites["train"])
-    assert set(practice) == {1, 2, 3, 4, 5}  # the default world's small L3-L5 pools are not all demos
+    assert set(practice) == {1, 2, 3, 4, 5}  # the small world's L3-L5 pools are not all demos
     for lv in (3, 4, 5):
         assert practice[lv] >= cfg.practice_reserve * (practice[lv] + train[lv]) - 1
     none = generate_tasks(world, cfg.model_copy(update={"practice_reserve": 0.0}))
@@ -107,10 +127,11 @@ def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_
     assert {tuple(t.solution["key"]) for t in suites["train"]} <= keys  # the reserve only leaves demos out
 
 
-def test_online_tasks_prefer_practice_and_fall_back_per_level(suites, world, cfg):
+def test_online_tasks_prefer_practice_and_fall_back_per_level(small_world):
     from components.sandbox.suites import Sandbox
 
-    box = Sandbox(world, suites)  # the default: no reserve
+    world, cfg = small_world
+    box = Sandbox(world, generate_tasks(world, cfg.model_copy(update={"practice_reserve": 0.0})))
     online = box.online_tasks("practice")
     practice_levels = {t.level for t in box.suites["practice"]}
     assert {t.level for t in online} == {1, 2, 3, 4, 5}

@@ -122,54 +122,81 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 2048, split_digits:
 # instead of copying them (held-out easy TGC 0.0 after 6 or even 20 minutes of SFT). A short run on
 # synthetic sequences in which a random span recurs after a short random gap gives the base a copy
 # circuit (copy accuracy 0.0 -> 1.0 in 400 steps, ~2-3 min on 2 cores), and SFT on the same demos then
-# reaches easy TGC 0.8. Measured limit: what forms in 400 steps copies from a few dozen tokens back
-# (accuracy at gap <= 8: 0.99; at gap 48: 0.01), not from anywhere (a true induction head was still at
-# 0.2 after 350 steps with gaps up to 64). The sequences hold random tokens only: nothing of the
-# tasks, the world or the expert conversations. Hand-written: a few lines of torch over synthetic
-# data that no dataset library provides.
+# reaches easy TGC 0.8. What forms at gaps <= 8 copies from a few dozen tokens back only (accuracy at gap
+# 48: 0.01), and from a 1-token match: in a ten-symbol alphabet (ids are digit strings here) it is at
+# chance (0.16 at gap 8), so an id that shares its first digit with another is miscopied (m8 for m58).
+# The agent's ids sit a median 50-60 tokens back at L2-L5 (p90 218 at L4). Hence the reach curriculum
+# (`pretrain_reach`, `pretrain_digit_rows`): once the short copy has formed (the first third of the
+# steps), the gap grows to `pretrain_reach` and a share of rows is drawn from the ten digits only, so the
+# copy must match on content over more than one token; from scratch at long gaps nothing forms in the same
+# steps (loss flat at ln|V| after 300 steps). The sequences hold random tokens only: nothing of the tasks,
+# the world or the expert conversations. Hand-written: a few lines of torch over synthetic data that no
+# dataset library provides.
 # ----------------------------------------------------------------------------------------------
 class CopySequences:
-    """[random prefix] span <|end|> [random gap] span: every row the same length; the tokens and the gap vary."""
+    """[random prefix] span <|end|> [random gap] span: every row of a batch the same length; the tokens and the
+    gap vary. `max_gap` (default the config's short gap) sets the length; `digit_rows` draws that share of the
+    rows from the ten digit tokens only."""
 
     def __init__(self, tokenizer, cfg: TinyModelConfig, seed: int) -> None:
         import torch
 
         special = set(tokenizer.all_special_ids)
         self.vocab = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+        digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+        self.digits = torch.tensor([d for d in digits if d is not None and d != tokenizer.unk_token_id and d not in special])
         self.sep = tokenizer.convert_tokens_to_ids(END)
-        self.span, self.gap = cfg.pretrain_span, cfg.pretrain_gap
+        self.span, self.gap, self.reach = cfg.pretrain_span, cfg.pretrain_gap, max(cfg.pretrain_reach, cfg.pretrain_gap)
+        self.digit_share = cfg.pretrain_digit_rows if len(self.digits) >= 2 else 0.0
         self.gen = torch.Generator().manual_seed(seed)
         self.torch = torch
 
-    def _tokens(self, n: int):
+    def _tokens(self, n: int, alphabet=None):
         torch = self.torch
-        return self.vocab[torch.randint(len(self.vocab), (n,), generator=self.gen)]
+        alphabet = self.vocab if alphabet is None else alphabet
+        return alphabet[torch.randint(len(alphabet), (n,), generator=self.gen)]
 
-    def batch(self, size: int):
+    def schedule(self, step: int, steps: int) -> tuple[int, float]:
+        """(max gap, share of digit rows) at `step` of `steps`: the short gap for the first third, then the gap
+        grows linearly to the reach by three quarters of the steps and stays."""
+        start, end = steps // 3, (3 * steps) // 4
+        if self.reach <= self.gap or step <= start:
+            return self.gap, 0.0
+        grown = self.gap + (self.reach - self.gap) * min(1.0, (step - start) / max(1, end - start))
+        return int(grown), self.digit_share
+
+    def batch(self, size: int, max_gap: int | None = None, digit_rows: float = 0.0, exact: bool = False):
         """(input ids, labels): the loss falls on the repeat only (after its first token), the one part that can be
-        predicted; the random tokens' irreducible loss would only add noise (the copy forms ~2x faster without it)."""
+        predicted; the random tokens' irreducible loss would only add noise (the copy forms ~2x faster without it).
+        `exact`: every gap is `max_gap` (the probes)."""
         torch = self.torch
+        max_gap = self.gap if max_gap is None else max_gap
+        n_digit = int(round(size * digit_rows))
         rows = []
-        for _ in range(size):
-            gap = int(torch.randint(self.gap + 1, (1,), generator=self.gen))
-            span = self._tokens(self.span)
-            rows.append(torch.cat([self._tokens(self.gap - gap), span, torch.tensor([self.sep]), self._tokens(gap), span]))
+        for r in range(size):
+            alphabet = self.digits if r < n_digit else self.vocab
+            gap = max_gap if exact else int(torch.randint(max_gap + 1, (1,), generator=self.gen))
+            span = self._tokens(self.span, alphabet)
+            rows.append(torch.cat([self._tokens(max_gap - gap, alphabet), span, torch.tensor([self.sep]),
+                                   self._tokens(gap, alphabet), span]))
         ids = torch.stack(rows)
         labels = ids.clone()
         labels[:, : ids.shape[1] - self.span + 1] = -100
         return ids, labels
 
-    def copy_accuracy(self, model, size: int = 64) -> float:
+    def copy_accuracy(self, model, size: int = 64, max_gap: int | None = None, digit_rows: float = 0.0,
+                      exact: bool = False) -> float:
         """Greedy accuracy on the repeat (after its first token): ~0 for a random model, ~1 once it copies."""
         torch = self.torch
-        ids, _ = self.batch(size)
+        ids, _ = self.batch(size, max_gap, digit_rows, exact)
         with torch.no_grad():
             pred = model(input_ids=ids).logits.argmax(-1)
         return float((pred[:, -self.span:-1] == ids[:, -self.span + 1:]).float().mean())
 
 
 def pretrain(model, tokenizer, cfg: TinyModelConfig, seed: int) -> dict[str, float]:
-    """Train `model` in place for `cfg.pretrain_steps` steps; returns the loss and the copy accuracy before/after."""
+    """Train `model` in place for `cfg.pretrain_steps` steps; returns the loss and the copy accuracy before/after
+    (within the short gap; with the reach curriculum also at the reach, and there in digits only)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -184,18 +211,24 @@ def pretrain(model, tokenizer, cfg: TinyModelConfig, seed: int) -> dict[str, flo
     loss_ema = 0.0
     bar = tqdm(range(1, cfg.pretrain_steps + 1), desc="pretraining the tiny base (in-context copy)", mininterval=2.0)
     for step in bar:
-        ids, labels = data.batch(cfg.pretrain_batch)
+        gap, digit_rows = data.schedule(step, cfg.pretrain_steps)
+        ids, labels = data.batch(cfg.pretrain_batch, gap, digit_rows)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_ema = float(loss.detach()) if step == 1 else 0.98 * loss_ema + 0.02 * float(loss.detach())
         if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss_ema:.3f}")
+            bar.set_postfix(loss=f"{loss_ema:.3f}", gap=gap)
     model.eval()
+    out = {"pretrain_steps": cfg.pretrain_steps, "pretrain_loss": round(loss_ema, 4),
+           "copy_accuracy_before": round(before, 4), "copy_accuracy": round(held_out.copy_accuracy(model), 4)}
+    if data.reach > data.gap:
+        out["copy_accuracy_reach"] = round(held_out.copy_accuracy(model, 32, data.reach, exact=True), 4)
+        if data.digit_share:
+            out["copy_accuracy_reach_digits"] = round(held_out.copy_accuracy(model, 32, data.reach, 1.0, True), 4)
     torch.set_num_threads(threads)
-    return {"pretrain_steps": cfg.pretrain_steps, "pretrain_loss": round(loss_ema, 4),
-            "copy_accuracy_before": round(before, 4), "copy_accuracy": round(held_out.copy_accuracy(model), 4)}
+    return out
 
 
 def _fingerprint(cfg: TinyModelConfig, corpus: list[str], seed: int) -> str:

@@ -153,14 +153,3 @@ def test_reach_curriculum_grows_the_gap_after_the_copy_forms_and_draws_digit_row
     assert off.schedule(90, 90) == (8, 0.0)  # reach <= gap: the short copy throughout
 
 
-@pytest.mark.slow
-def test_short_gap_pretraining_gives_the_base_in_context_copying(tmp_path):
-    """Without the reach curriculum, 400 steps at the short gap turn a model that cannot copy (accuracy ~0) into one
-    that does (> 0.8). The default, with the curriculum, is measured where the pipeline builds it
-    (tests/e2e/test_learning.py)."""
-    cfg = TinyModelConfig(pretrain_steps=400, pretrain_batch=64, pretrain_reach=0)
-    m = build_tiny_model(tmp_path / "m", cfg, seed=0)
-    extra = json.loads((m / "agentrl.json").read_text())["extra"]
-    assert extra["copy_accuracy_before"] < 0.05
-    assert extra["copy_accuracy"] > 0.8, extra
-    assert extra["pretrain_steps"] == 400 and "copy_accuracy_reach" not in extra

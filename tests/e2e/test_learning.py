@@ -1,8 +1,10 @@
-"""The embedded default learns: sandbox -> tiny base (with its copy pretraining) -> SFT with the tiny preset's
-own budget, then the held-out easy suite (issue 5's target: >= 50 % TGC after <= 6 minutes of SFT).
+"""The embedded default learns: sandbox -> tiny base (with its copy pretraining) -> SFT, then the held-out easy
+suite (issue 5's target: >= 50 % TGC after <= 6 minutes of SFT).
 
-Slow (~20 minutes on 2 cores, ~9 of them the base's copy pretraining): it is the measurement, run exactly as the
-pipeline runs these phases.
+The pipeline's own recipes on the default config, with two changes that make the outcome independent of the
+machine's load: SFT is bounded by steps, not by the preset's 6-minute budget (800 steps: what that budget gives on
+2 free cores, 877 in CI's run of 2026-12-06), and everything runs on one CPU thread, so `make test` can run this test
+beside the rest of the suite. Slow (~30 minutes on one core, ~20 of them the base's copy pretraining).
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from components.prepare.recipe import run as prepare
 from components.sandbox.recipe import run as build_sandbox
 from components.sft.recipe import run as sft
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+SFT_STEPS = 800
 
 
 def test_sft_on_the_embedded_default_solves_most_easy_tasks(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTRL_HOME", str(tmp_path / "home"))
-    overrides = json.dumps({"run": {"home": str(tmp_path / "home")}})
+    overrides = json.dumps({"run": {"home": str(tmp_path / "home"), "torch_threads": 1},
+                            "model": {"tiny": {"pretrain_threads": 1}},
+                            "sft": {"max_steps": SFT_STEPS, "max_minutes": None, "torch_threads": 1}})
     box = build_sandbox(overrides=overrides, out_dir=str(tmp_path / "sandbox"))
     base = prepare(overrides=overrides, model_out=str(tmp_path / "base"), parent_run_id=box.parent_run_id,
                    corpus=str(tmp_path / "sandbox" / "corpus.txt"))
@@ -32,7 +38,7 @@ def test_sft_on_the_embedded_default_solves_most_easy_tasks(tmp_path, monkeypatc
                  tasks_dir=str(tmp_path / "sandbox" / "tasks"), parent_run_id=box.parent_run_id,
                  model_out=str(tmp_path / "sft"))
     m = result.metrics
-    assert m["train_seconds"] <= 6 * 60 + 30  # the tiny preset's budget (the step in progress may finish)
+    assert m["train_steps"] == SFT_STEPS
     # ... and SFT on the expert demos turns that into solved held-out tasks (0.0 without the pretraining)
     assert m["easy/tgc"] >= 0.5, m
     assert m["easy/valid_action_rate"] >= 0.8, m

@@ -66,7 +66,7 @@ learn: $(STAMP)
 ## CPU images built and the pipeline run with each component in its own image.
 # The e2e learning test (one process on one thread, ~38 minutes, 28 of them the tiny base's copy pretraining) runs
 # beside the main suite, whose processes leave the second core idle much of the time (alone 36.6 minutes, beside it
-# 39.5): on 2 cores the two take 40 minutes instead of 58 one after the other.
+# 39.5): on 2 cores the two take 40 minutes; one after the other (the e2e test then on 2 threads) they took 57.
 test: $(STAMP) $(VLLM_STAMP)
 	@e2e_tmp=$$(mktemp -d); \
 	$(PY) -m pytest tests/e2e -p no:cacheprovider --basetemp=$$e2e_tmp/t $(PYTEST_ARGS) > $$e2e_tmp/log 2>&1 & e2e=$$!; \

@@ -41,8 +41,8 @@ def test_sft_on_the_embedded_default_solves_most_easy_tasks(tmp_path, monkeypatc
                  model_out=str(tmp_path / "sft"))
     m = result.metrics
     assert m["train_steps"] == SFT_STEPS
-    # ... and SFT on the expert demos turns that into solved held-out tasks (0.0 without the pretraining)
     print({k: m[k] for k in ("train_steps", "train_loss", "easy/tgc", "easy/valid_action_rate")}, card)
+    # ... and SFT on the expert demos turns that into solved held-out tasks (0.0 without the pretraining)
     assert m["easy/tgc"] >= 0.5, m
     # a floor, not the target: the failed episodes' retries are most of the format errors, so this rate moves with
     # the TGC (0.735, 0.779 and > 0.8 in three runs on the reach base; ~0 for a base that cannot act)

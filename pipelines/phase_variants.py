@@ -6,6 +6,7 @@ table was measured (outside CI; minutes a variant on the tiny preset).
     python -m pipelines.phase_variants grpo --home .agentrl --name sage-r1 --chain-length 2 \
         --set grpo.sage.enabled=true --set run.seed=1                        # SAGE, GRPO seed 1, chained held-out suites
     python -m pipelines.phase_variants compare --home .agentrl plain-r0,plain-r1 sage-r0,sage-r1
+    python -m pipelines.phase_variants compare --home .agentrl @sft,@sft plain-r0,plain-r1   # against the incoming model
 
 `dpo` starts from the seed's rejection-sampling model (variant A and B both), `grpo` from its SFT model. The phase
 runs in this process with the seed run's overrides plus the variant's; its model is then measured greedily on the
@@ -14,7 +15,9 @@ carried, as GRPO's periodic evaluation does for SAGE). One JSON line a variant i
 `<home>/phase_variants.jsonl` (TGC, SGC, safety violations, tokens and steps per task, skill reuse, with the
 evaluation's bootstrap intervals); its task-by-task outcomes go to `<home>/variants/<phase>-seed<n>-<name>/tasks.json`.
 `compare A1,A2,.. B1,B2,..` pairs those outcomes run by run (A1 with B1: the same seed) and task by task: the mean
-difference B - A of each measure and its bootstrap interval over runs, then tasks (`pipelines.learn.bootstrap_mean`).
+difference B - A of each measure and its bootstrap interval over runs, then tasks (`pipelines.learn.bootstrap_mean`);
+a name `@<phase>` is that model of the learn seed's chain as `agentrl learn` measured it (its outcomes.json; skill
+reuse is not recorded there and counts 0), so `@sft` is GRPO's incoming model.
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ def compare(home: Path, a_names: list[str], b_names: list[str], phase: str = "gr
         raise ValueError(f"compare: expected as many runs of A as of B (paired by seed), got {a_names} and {b_names}")
 
     def load(name: str) -> dict[str, list[dict]]:
+        if name.startswith("@"):  # a model of the learn seed's own chain, as `agentrl learn` measured it
+            path = home / "learning" / f"seed-{seed}" / "outcomes.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"compare: {path}: not found (`agentrl learn` measures seed {seed} first)")
+            models = json.loads(path.read_text())["models"]
+            if name[1:] not in models:
+                raise ValueError(f"compare: {name}: expected @ and one of {sorted(models)}")
+            return {s: [{"skill": 0, **r} for r in rows] for s, rows in models[name[1:]].items()}
         path = home / "variants" / f"{phase}-seed{seed}-{name}" / "tasks.json"
         if not path.is_file():
             raise FileNotFoundError(f"compare: {path}: not found (run the variant {name!r} first)")

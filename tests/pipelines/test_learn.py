@@ -163,3 +163,16 @@ def test_phase_variants_compare_pairs_runs_and_tasks(tmp_path, capsys):
     assert "as many runs of A as of B" in capsys.readouterr().err
     assert phase_variants.main(["compare", "--home", str(tmp_path), "a0", "zz"]) == 2
     assert "grpo-seed0-zz/tasks.json: not found" in capsys.readouterr().err
+    # @sft: the incoming model as `agentrl learn` measured it (no skill key there), paired with a variant
+    assert phase_variants.main(["compare", "--home", str(tmp_path), "@sft", "b0"]) == 2
+    assert "seed-0/outcomes.json: not found" in capsys.readouterr().err
+    sft_rows = [{"task": f"t{i}", "scenario": f"s{i // 2}", "level": 1, "success": s, "hard": 0, "steps": 3, "tokens": 9}
+                for i, s in enumerate([0, 0, 1, 0])]
+    (tmp_path / "learning" / "seed-0").mkdir(parents=True)
+    (tmp_path / "learning" / "seed-0" / "outcomes.json").write_text(json.dumps({"models": {"sft": {"easy": sft_rows}}}))
+    assert phase_variants.main(["compare", "--home", str(tmp_path), "@sft", "b0"]) == 0
+    easy = json.loads(capsys.readouterr().out)["suites"]["easy"]
+    assert easy["success"]["a"] == 0.25 and easy["success"]["diff"] == 0.75 and easy["tokens"]["diff"] == -3.0
+    assert easy["skill"]["a"] == 0.0 and easy["skill"]["diff"] == 0.5
+    assert phase_variants.main(["compare", "--home", str(tmp_path), "@dpo", "b0"]) == 2
+    assert "expected @ and one of ['sft']" in capsys.readouterr().err

@@ -509,7 +509,17 @@ class GRPOConfig(_Checkpointed):
     eval_chain_length: int = Field(1, ge=1, le=16, description="> 1: the held-out suites run as chains of tasks of one "
                                    "scenario whose skill library carries over, so plain GRPO and SAGE compare on skill "
                                    "reuse (code actions); 1: every task on its own")
-    output: Literal["best", "last"] = Field("best", description="the model handed on: best held-out or last step")
+    output: Literal["best", "last"] = Field("best", description="the model handed on: the best of the periodic "
+                                            "evaluations (the incoming policy included) or the last step's")
+    select_on: Literal["validation", "heldout"] = Field(
+        "validation", description="what the periodic evaluation and the choice of the best model look at: "
+        "'validation', `validation_tasks` tasks of the task pool kept out of training (the held-out suites are then "
+        "measured only on the incoming and the handed-on model, so the gain the evaluation phase reports is not "
+        "chosen on them); 'heldout', the held-out `eval_suites` (the choice then biases their gain upward)")
+    validation_tasks: int = Field(
+        24, ge=1, le=100_000, description="tasks of the task pool withheld from training for `select_on=validation`: "
+        "spread over the levels, at most a quarter of any level's tasks (the default world: 6 a level at L1-L3, 3 at "
+        "L4-L5); a level with fewer than 4 tasks gives none")
     checkpoint_every: int = Field(10, ge=1)
     temperature: float = Field(1.0, gt=0, le=5, description="sampling temperature of the rollouts")
     bf16: bool = False

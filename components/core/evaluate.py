@@ -24,7 +24,7 @@ from components.core.rollout import RolloutSettings, rollout
 from components.core.schema import Task, Trajectory
 from components.core.tokens import ChatFormat
 
-__all__ = ["evaluate_model", "evaluate_policy", "flat", "per_level", "quick_eval", "scenario_chains", "suite_metrics"]
+__all__ = ["evaluate_model", "evaluate_policy", "flat", "greedy_rollouts", "per_level", "quick_eval", "scenario_chains", "suite_metrics"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,7 +84,8 @@ def suite_metrics(trajs: Sequence[Trajectory], samples: Sequence[Sequence[Trajec
     out = {}
     for m, v in point.items():
         b = sorted(boots[m])
-        out[m] = {"value": round(v, 6), "ci": [round(b[int(lo_q * (len(b) - 1))], 6), round(b[int(hi_q * (len(b) - 1))], 6)]}
+        out[m] = {"value": round(v, 6),  # n_boot=0: the point values only
+                  "ci": [round(b[int(lo_q * (len(b) - 1))], 6), round(b[int(hi_q * (len(b) - 1))], 6)] if b else None}
     return out
 
 
@@ -123,6 +124,14 @@ def scenario_chains(tasks: Sequence[Task], length: int) -> list[list[Task]]:
     return [ts[i:i + length] for ts in by.values() for i in range(0, len(ts), length)]
 
 
+def greedy_rollouts(backend: Any, make_env: Callable[[], Any], fmt: ChatFormat, cfg: PipelineConfig,
+                    tasks: Sequence[Task], chain_length: int = 1, progress: bool = False) -> list[Trajectory]:
+    """One greedy episode per task (as `scenario_chains` when `chain_length` > 1): what every evaluation measures."""
+    runs = scenario_chains(tasks, chain_length) if chain_length > 1 else tasks
+    return rollout(backend, make_env, fmt, runs, RolloutSettings.from_config(cfg, temperature=0.0, policy_name="eval",
+                                                                            progress=progress), rewards=cfg.rewards)
+
+
 def evaluate_policy(policy, cfg: PipelineConfig, sandbox: LoadedEnvironment, suites: Sequence[str] | None = None,
                     pass_k: int | None = None, max_tasks: int | None = None, progress: bool = True,
                     model_dir: str | None = None, env_factory: Callable[[], Any] | None = None,
@@ -140,10 +149,7 @@ def evaluate_policy(policy, cfg: PipelineConfig, sandbox: LoadedEnvironment, sui
     results: dict[str, Any] = {"metrics": {}, "trajectories": {}, "levels": {}}
     for suite in environments.pick_suites(sandbox, suites or sandbox.heldout):
         tasks = sandbox.suites[suite][:max_tasks] if max_tasks else sandbox.suites[suite]
-        runs = scenario_chains(tasks, chain_length) if chain_length > 1 else tasks
-        greedy = rollout(backend, make_env, fmt, runs, RolloutSettings.from_config(cfg, temperature=0.0, policy_name="eval",
-                                                                        progress=progress),
-                         rewards=cfg.rewards)
+        greedy = greedy_rollouts(backend, make_env, fmt, cfg, tasks, chain_length, progress)
         samples: list[list[Trajectory]] = []
         if k > 1:
             sampled = rollout(backend, make_env, fmt, tasks,

@@ -19,10 +19,12 @@ express. `make bench` holds it against TRL on the single-turn case (`grpo.throug
    d. clipped surrogate + k3 KL on agent tokens, `epochs_per_batch` optimizer steps;
    e. the collapse monitor; on an alarm (or every K steps) a short SFT repair on expert solutions of
       the tasks the policy failed;
-   f. metrics to MLflow; then `after_step`: held-out evaluation every `eval_every` steps (`evaluate`; best model
-      kept; with `eval_chain_length` 2 as chains of two tasks of one scenario, so skill reuse is measured
-      held-out); a checkpoint every `checkpoint_every` steps; the time budget.
-4. `finish`: save the best (or last) policy as the phase's Model artifact.
+   f. metrics to MLflow; then `after_step`: every `eval_every` steps the validation tasks (`validate`: tasks of the
+      pool withheld from training, `split_validation`) choose the best model, so the held-out suites are never
+      chosen on (`grpo.select_on=heldout` chooses on them instead); with `eval_chain_length` 2 as chains of two
+      tasks of one scenario, so skill reuse is measured; a checkpoint every `checkpoint_every` steps; the time budget.
+4. `finish`: save the best (or last) policy as the phase's Model artifact, with its held-out numbers (`evaluate`,
+   measured on the incoming model at step 0 and on the handed-on one here).
 
 Several processes (`launch`: torchrun over a multi-GPU pod, or a TrainJob with `grpo.multi_node`): every
 rank draws the same step's tasks and rolls out its share of the groups; gradients are averaged by
@@ -48,7 +50,7 @@ from tqdm import tqdm
 from components.core.checkpoint import Checkpoints
 from components.core.config import PipelineConfig, load_config
 from components.core.env import LoadedEnvironment
-from components.core.evaluate import evaluate_policy, flat
+from components.core.evaluate import evaluate_policy, flat, greedy_rollouts, suite_metrics
 from components.core.generation import make_backend
 from components.core.phase import PhaseContext, PhaseResult, Places
 from components.core.phase import launch as launch_phase
@@ -103,6 +105,26 @@ def draw_tasks(cfg: PipelineConfig, curriculum: Curriculum, train: list[Task], s
             mates = [x for x in by_scenario[scen] if x.id != t.id]
         chains.append([t, *rng.sample(mates, g.sage.chain_length - 1)])
     return chains
+
+
+def split_validation(tasks: list[Task], n: int) -> tuple[list[Task], list[Task]]:
+    """(train, validation) of the task pool: `n` tasks withheld from training to choose the best model on, spread
+    evenly over the levels, at most a quarter of any level's (a level of fewer than 4 gives none). The same split
+    for every run seed, so the seeds of one configuration are chosen on the same tasks."""
+    rng = random.Random("grpo-validation")
+    by: dict[int, list[Task]] = defaultdict(list)
+    for t in sorted(tasks, key=lambda t: t.id):
+        by[t.level].append(t)
+    for lv in sorted(by):
+        rng.shuffle(by[lv])
+    cap = {lv: len(ts) // 4 for lv, ts in by.items()}
+    take = dict.fromkeys(by, 0)
+    while sum(take.values()) < n and any(take[lv] < cap[lv] for lv in by):
+        for lv in sorted(by):
+            if take[lv] < cap[lv] and sum(take.values()) < n:
+                take[lv] += 1
+    held = {t.id for lv, ts in by.items() for t in ts[:take[lv]]}
+    return [t for t in tasks if t.id not in held], [t for t in tasks if t.id in held]
 
 
 def expert_trajectory(env, task: Task, fmt: ChatFormat, expert: Any) -> Trajectory | None:
@@ -281,16 +303,22 @@ class GRPORecipe:
         if self.start:
             self.backend.sync(self.unwrapped)  # an engine starts from the weights on disk: push the resumed ones
 
+        pool = self.env.online_tasks(g.task_pool)
+        self.train, self.validation = (split_validation(pool, g.validation_tasks) if g.select_on == "validation"
+                                       else (pool, []))
+        train = self.train
+        if g.select_on == "validation" and not self.validation:
+            raise ValueError(f"grpo.select_on='validation': the task pool {g.task_pool!r} has no level with 4 or more "
+                             f"tasks ({len(pool)} tasks) to withhold validation tasks from; set grpo.select_on='heldout'")
         if self.start == 0:  # every rank evaluates (collective under ZeRO-3); rank 0 logs
             first = self.evaluate(0)
-            self.best = {"score": first["heldout/tgc_mean"], "step": 0, "metrics": first}
+            self.tracker.log_metrics({"incoming/" + k.removeprefix("heldout/"): v for k, v in first.items()}, step=0)
+            self.best = {"score": self.score(0, first), "step": 0}
             if g.output == "best":  # the incoming policy is a candidate too: GRPO must not hand on a worse one
                 self.best["dir"] = str(ctx.work / "best-step-00000000")
                 _save_trainable(acc, self.model, Path(self.best["dir"]))
-            self.tracker.log_metrics({"incoming/" + k.removeprefix("heldout/"): v for k, v in first.items()}, step=0)
 
         self.t_start = time.perf_counter()
-        self.train = train = self.env.online_tasks(g.task_pool)
         self.by_id = {t.id: t for t in train}
         self.sampler = None
         if stale:
@@ -436,6 +464,24 @@ class GRPORecipe:
                              alarms=len(alarms))
         return metrics
 
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy metrics of the learner on the validation tasks (withheld from training; every rank, rank 0 logs)."""
+        from trl.models import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(self.model, self.acc):
+            trajs = greedy_rollouts(self.backend, self.env.factory(), self.fmt, self.cfg, self.validation,
+                                    self.g.eval_chain_length)
+        val = {f"val/{k}": v["value"] for k, v in suite_metrics(trajs, n_boot=0).items()}
+        self.log(val, step)
+        return val
+
+    def score(self, step: int, held: dict[str, float] | None = None) -> float:
+        """What the best model is chosen by: validation TGC, or (`select_on=heldout`) the held-out TGC mean (`held`,
+        when this step's held-out evaluation has run)."""
+        if self.g.select_on == "validation":
+            return self.validate(step)["val/tgc"]
+        return (held or self.evaluate(step))["heldout/tgc_mean"]
+
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out greedy metrics of the learner (every rank: collective under ZeRO-3; rank 0 logs)."""
         from trl.models import unwrap_model_for_generation
@@ -451,15 +497,15 @@ class GRPORecipe:
         return held
 
     def after_step(self, done: int) -> bool:
-        """Held-out evaluation (the best model kept), a checkpoint, the time budget; True to stop."""
+        """The periodic evaluation (validation, or held-out; the best model kept), a checkpoint, the time budget;
+        True to stop."""
         g, acc = self.g, self.acc
         self.steps_done = done
         if g.eval_every and done % g.eval_every == 0 and done < g.steps:
-            held = self.evaluate(done)
-            if held["heldout/tgc_mean"] > self.best["score"]:
+            score = self.score(done)
+            if score > self.best["score"]:
                 # one directory per best step: a resumed run trusts only the one its checkpoint names
-                self.best = {"score": held["heldout/tgc_mean"], "step": done, "metrics": held,
-                             "dir": str(self.ctx.work / f"best-step-{done:08d}")}
+                self.best = {"score": score, "step": done, "dir": str(self.ctx.work / f"best-step-{done:08d}")}
                 _save_trainable(acc, self.model, Path(self.best["dir"]))
         if done % g.checkpoint_every == 0 or done == g.steps:
             self.ckpts.save(done, lambda d, n=done: _save_step_state(acc, d, self.sampler, n),
@@ -482,23 +528,23 @@ class GRPORecipe:
         ctx, g, acc, model, best = self.ctx, self.g, self.acc, self.model, self.best
         self.bar.close()
         steps_done = self.steps_done
-        final = self.evaluate(steps_done)
+        held = self.evaluate(steps_done) if g.select_on == "heldout" else None
         out = ctx.out
         card = ctx.card(self.policy_model, steps=steps_done, sage=g.sage.enabled)
         best_dir = Path(best.get("dir") or ctx.work / "no-best")
-        use_best = g.output == "best" and best_dir.exists() and best["score"] > final["heldout/tgc_mean"]
+        use_best = g.output == "best" and best_dir.exists() and best["score"] > self.score(steps_done, held)
         self.policy.model = acc.unwrap_model(model)
-        # under ZeRO-3 the module holds shards: gather the full weights to save them
-        full = acc.get_state_dict(model) if acc.distributed_type == DistributedType.DEEPSPEED else None
+        on_deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
         if use_best:
             import torch
 
-            best_weights = torch.load(best_dir / "trainable.pt", map_location="cpu")
-            if full is not None:
-                full.update(best_weights)
-            else:
-                _load_trainable(self.policy.model, best_weights)
-            final = best["metrics"]
+            _load_trainable(self.policy.model, torch.load(best_dir / "trainable.pt", map_location="cpu"),
+                            sharded=on_deepspeed)
+            held = None
+        # the handed-on model's held-out numbers: measured once, after the choice (never chosen on, by default)
+        final = held or self.evaluate(steps_done)
+        # under ZeRO-3 the module holds shards: gather the full weights to save them
+        full = acc.get_state_dict(model) if on_deepspeed else None
         if rank() != 0:
             return None  # type: ignore[return-value]
         metrics = {**{k: float(v) for k, v in self.last.items()}, **final,
@@ -723,20 +769,28 @@ def _save_trainable(acc, model, d: Path) -> None:
     unwrapped = acc.unwrap_model(model)
     names = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
     if acc.distributed_type == DistributedType.DEEPSPEED:
-        state = {n: t for n, t in acc.get_state_dict(model).items() if n in names}
+        # every rank joins the gather; under ZeRO-3 only the main process gets the tensors back (None elsewhere)
+        state = {n: t for n, t in (acc.get_state_dict(model) or {}).items() if n in names}
     else:
         state = {n: p.detach().cpu().clone() for n, p in unwrapped.named_parameters() if n in names}
-    if acc.is_main_process:
+    if rank() == 0:  # the launcher's rank: accelerate's is_main_process is not reliable under DeepSpeed on CPU
         torch.save(state, d / "trainable.pt")
 
 
-def _load_trainable(model, state: dict) -> None:
+def _load_trainable(model, state: dict, sharded: bool = False) -> None:
+    """`state` (from `_save_trainable`) into `model`; `sharded`: under DeepSpeed, the ZeRO-3 shards are gathered for
+    the copy and partitioned again after it (a no-op for the unpartitioned parameters of ZeRO-1/2)."""
     import torch
 
     params = dict(model.named_parameters())
     missing = set(state) - set(params)
     if missing:
         raise RuntimeError(f"grpo: the best checkpoint holds tensors the model lacks: {sorted(missing)[:3]}")
-    with torch.no_grad():
+    gather = contextlib.nullcontext()
+    if sharded:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters([params[n] for n in state], modifier_rank=0)
+    with gather, torch.no_grad():
         for n, t in state.items():
-            params[n].copy_(t)
+            params[n].copy_(t.to(params[n].dtype))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,17 @@ def test_grpo_as_a_multi_node_job_with_inputs_staged_on_s3(tmp_path, tiny_model_
     assert remote["policy_model"].startswith(f"s3://{bucket}/runs/multi-node/agentrl-grpo-")
     assert res.steps_done == 2 and res.model_uri.startswith(f"s3://{bucket}/")
     assert load_policy(str(tmp_path / "out")).card.phase == "grpo"
+
+
+def test_the_best_models_weights_load_back_into_zero3_shards(tmp_path, tiny_model_dir):
+    """`grpo.output=best` under DeepSpeed ZeRO-3: the best step's tensors are gathered from the shards to be saved,
+    and loaded back into the shards (gathered, copied, partitioned again) before the held-out numbers and the save."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          str(Path(__file__).parent / "zero3_best_weights.py"), str(tiny_model_dir), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"restored [1-9][0-9]* tensors on 2 processes", out.stdout), out.stdout[-2000:]

@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from components.core.config import load_config
@@ -51,6 +52,14 @@ def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypat
         return expert(prompt)
 
     monkeypatch.setattr(recipe, "make_backend", lambda *a, **k: ScriptedBackend(tok, sometimes))
+    drawn, draw = set(), recipe.draw_tasks
+
+    def recording(*a, **k):
+        chains = draw(*a, **k)
+        drawn.update(t.id for c in chains for t in c)
+        return chains
+
+    monkeypatch.setattr(recipe, "draw_tasks", recording)
     before = {n: p.detach().clone() for n, p in load_policy(str(tiny_model_dir)).model.named_parameters()}
     res = recipe.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out"),
                      work_dir=str(tmp_path / "work"))
@@ -60,7 +69,13 @@ def test_grpo_trains_tracks_checkpoints_and_hands_on_a_model(tmp_path, monkeypat
     assert hist == [1, 2, 3]
     assert 0 < m["grpo/success_rate"] < 1 and m["grpo/trained_tokens"] > 0 and m["grpo/grad_norm"] > 0
     assert m["grpo/monitor/kl"] >= 0 and "grpo/monitor/control_prob_ratio" in m
-    assert [x.step for x in client.get_metric_history(res.run_id, "grpo/heldout/easy/tgc")] == [0, 2, 3]
+    # the best model is chosen on validation tasks withheld from training; the held-out suites are measured on the
+    # incoming and the handed-on model only
+    _, validation = recipe.split_validation(sb.online_tasks("practice"), cfg.grpo.validation_tasks)
+    assert len(validation) == 24 and drawn and not drawn & {t.id for t in validation}
+    assert [x.step for x in client.get_metric_history(res.run_id, "grpo/val/tgc")] == [0, 2, 3]
+    assert [x.step for x in client.get_metric_history(res.run_id, "grpo/heldout/easy/tgc")] == [0, 3]
+    assert "grpo/final/easy/tgc" in m and res.metrics["best_step"] in (0.0, 2.0, 3.0)
     # the repair after step 2 trained on recovery examples made from the expert's solutions of the failed tasks
     assert any(x.value > 0 for x in client.get_metric_history(res.run_id, "grpo/repair/recovery_examples"))
     assert m["grpo/repair/sft_loss"] > 0 or any(x.value > 0 for x in client.get_metric_history(res.run_id, "grpo/repair/sft_loss"))
@@ -114,3 +129,37 @@ def test_sage_chains_carry_skills_and_reward_reuse(tmp_path, monkeypatch, tiny_m
     else:
         assert m["sage/skill_from_first"] == 0
         assert all([r.total for r in orig(cfg)(ch)] == [1.0, 1.0] for ch in solved)
+
+
+def test_the_best_model_is_chosen_on_validation_tasks_and_handed_on(tmp_path, monkeypatch, tiny_model_dir):
+    """Validation picks the incoming policy over a trained one that fails there: the incoming weights are handed on,
+    and the held-out suites are measured on that model (not chosen on)."""
+    ov = _overrides(tmp_path, steps=2, eval_every=0, learning_rate=1e-3)
+    cfg = load_config(overrides_json=json.dumps(ov))
+    from components.sandbox.suites import load_sandbox
+
+    sb = load_sandbox(cfg)
+    tok = load_policy(str(tiny_model_dir)).tokenizer
+    expert, rng, stage = expert_script(sb), random.Random(0), ["incoming"]
+
+    def act(prompt: str) -> str:  # the expert while the incoming model is validated, then a policy that gets worse
+        give_up = render_json("Nothing to do.", "finish", {})
+        if stage[0] == "finish" or (stage[0] == "train" and "<|tool|>" not in prompt and rng.random() < 0.5):
+            return give_up
+        return expert(prompt)
+
+    draw, finish = recipe.draw_tasks, recipe.GRPORecipe.finish
+    monkeypatch.setattr(recipe, "make_backend", lambda *a, **k: ScriptedBackend(tok, act))
+    monkeypatch.setattr(recipe, "draw_tasks", lambda *a, **k: stage.__setitem__(0, "train") or draw(*a, **k))
+    monkeypatch.setattr(recipe.GRPORecipe, "finish", lambda self: stage.__setitem__(0, "finish") or finish(self))
+    res = recipe.run(overrides=json.dumps(ov), policy_model=str(tiny_model_dir), model_out=str(tmp_path / "out"),
+                     work_dir=str(tmp_path / "work"))
+    client, m = _metrics(tmp_path / "home", res.run_id)
+    val = {x.step: x.value for x in client.get_metric_history(res.run_id, "grpo/val/tgc")}
+    assert val[0] > 0 and val[2] == 0.0 and res.metrics["best_step"] == 0.0
+    assert m["grpo/grad_norm"] > 0  # the last model was trained: handing on the incoming one was a choice
+    before = load_policy(str(tiny_model_dir)).model.state_dict()
+    after = load_policy(str(tmp_path / "out")).model.state_dict()
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    # the held-out numbers of the handed-on model were measured after the choice (this script fails them all now)
+    assert m["grpo/final/easy/tgc"] == 0.0 and m["grpo/incoming/easy/tgc"] > 0

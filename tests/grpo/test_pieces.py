@@ -117,6 +117,23 @@ def test_curriculum_starts_easy_moves_up_and_keeps_easy_tasks():
     assert cur.mix() == pytest.approx(cfg.final_mix)
 
 
+def test_validation_split_spreads_over_levels_caps_each_and_is_the_same_for_every_seed():
+    from components.grpo.recipe import split_validation
+
+    sizes = {1: 200, 2: 200, 3: 161, 4: 15, 5: 12}  # the default world's practice pool per level
+    pool = [Task(id=f"p-{lv}-{i}", instruction="x", suite="practice", level=lv) for lv, n in sizes.items()
+            for i in range(n)]
+    train, val = split_validation(pool, 24)
+    per = {lv: sum(t.level == lv for t in val) for lv in sizes}
+    assert per == {1: 6, 2: 6, 3: 6, 4: 3, 5: 3} and len(train) + len(val) == len(pool)
+    assert not {t.id for t in train} & {t.id for t in val}
+    again = split_validation(list(reversed(pool)), 24)[1]  # a function of the pool, not of its order or the run
+    assert {t.id for t in again} == {t.id for t in val}
+    few = [Task(id=f"q-{i}", instruction="x", suite="practice", level=4) for i in range(3)]
+    small = split_validation(few + pool[:8], 24)[1]  # 8 tasks at L1: a quarter of them; 3 at L4: none
+    assert len(small) == 2 and all(t.level == 1 for t in small)
+
+
 def test_sample_masks_and_turn_advantages():
     turns = [Turn("system", "s", tokens=[], mask=[]), Turn("user", "u", tokens=[1, 2, 3], mask=[0, 0, 0]),
              Turn("assistant", "a", tokens=[4, 5], mask=[1, 1]), Turn("tool", "o", tokens=[6], mask=[0]),

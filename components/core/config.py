@@ -495,7 +495,11 @@ class GRPOConfig(_Checkpointed):
         "advantages, which the std division blows up to +-1 (DAPO filters such groups too); SAGE's reward has no "
         "shaping terms and rewards skill reuse among equally successful samples, so it is never filtered")
     loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
-    credit: Literal["trajectory", "turn"] = "trajectory"
+    credit: Literal["trajectory", "turn"] = Field(
+        "turn", description="advantages per agent turn (return-to-go of the per-turn credit, normalised over the "
+        "group's turns) or one per episode; measured from one tiny SFT model, 20 steps, 2 seeds: turn - trajectory "
+        "+5.0 [+0.0, +15.0] TGC points on hard, +3.8 [-5.0, +12.5] on easy, 10 fewer tokens per easy task (README, "
+        "GRPO)")
     max_grad_norm: float = Field(1.0, gt=0)
     sage: SageConfig = Field(default_factory=SageConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)

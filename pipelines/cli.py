@@ -101,6 +101,7 @@ def cmd_run(args) -> int:
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri, home)
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # a task that crashes in native code leaves its Python stack
     # in containers the pipeline root is the one folder kfp.local mounts: it is the home itself
     root = home / "pipeline_root" if args.runner == "subprocess" else home
     local.init(root, runner=args.runner)

@@ -79,7 +79,8 @@ def init(pipeline_root: str | Path, runner: str = "subprocess") -> None:
         home = root / "container_home"
         home.mkdir(parents=True, exist_ok=True)
         env = {k: os.environ[k] for k in PASSED_ENV if os.environ.get(k)}
-        env.update(HOME=str(home), AGENTRL_HOME=os.environ.get("AGENTRL_HOME", str(root)), PYTHONUNBUFFERED="1")
+        env.update(HOME=str(home), AGENTRL_HOME=os.environ.get("AGENTRL_HOME", str(root)), PYTHONUNBUFFERED="1",
+                   PYTHONFAULTHANDLER="1")
         local.init(runner=local.DockerRunner(network_mode="host", user=f"{os.getuid()}:{os.getgid()}", environment=env),
                    pipeline_root=str(root))
     else:

@@ -36,6 +36,7 @@ class Placement:
     config_maps: dict[str, dict[str, str]] = field(default_factory=dict)
     timeout_s: int | None = None
     retries: int = 0
+    retry_backoff_s: int = 60  # the wait before the first retry (doubled before each next)
     image: str | None = None  # 'trainer', 'rollout' (vLLM), 'sandbox' or a full image reference; None = the component's
     # KFP's cache: on only for a task whose outputs are a pure function of its inputs and that writes nowhere else
     cache: bool = False
@@ -55,11 +56,17 @@ _ONE_GPU = dict(_GPU_POOL, gpus=1, cpu="16", memory="200Gi", shm_size="32Gi", ca
 # the phases that generate (the h100 preset sets generation.backend=vllm) run in the image that has vLLM
 _ROLLOUT = {"image": "rollout"}
 GENERATING = ("grpo", "rejection_sampling", "dpo", "evaluate")  # the phases that run in the rollout image
+# kfp.local honours a task's retry policy too: a phase process that dies (a crash, an OOM kill) is started once more
+# and resumes from what its first attempt staged, as on the cluster; `configure` is not retried (its errors are the
+# run form's, the same on every attempt)
+_RETRIED = tuple(ph for ph in PHASES if ph != "configure")
+_LOCAL_RETRY = {"retries": 1, "retry_backoff_s": 1}
 
 PLANS: dict[str, dict[str, dict[str, Any]]] = {
-    "local": {"configure": {"cache": True}},
+    "local": {"configure": {"cache": True}, **{ph: dict(_LOCAL_RETRY) for ph in _RETRIED}},
     # `agentrl run --runner docker`: each task in the image the cluster gives it (kfp.local ignores resources)
-    "containers": {"configure": {"cache": True}, **{ph: dict(_ROLLOUT) for ph in GENERATING}},
+    "containers": {"configure": {"cache": True},
+                   **{ph: dict(_LOCAL_RETRY, **(_ROLLOUT if ph in GENERATING else {})) for ph in _RETRIED}},
     "h100": {
         "defaults": {"secrets": _SECRETS, "config_maps": _PLATFORM},
         "configure": {"cpu": "1", "memory": "2Gi", "timeout_s": 600, "retries": 2, "cache": True},
@@ -94,8 +101,8 @@ def _placement(values: dict[str, Any], where: str) -> Placement:
     if unknown:
         raise ValueError(f"placement {where}: unknown field(s) {unknown}; expected some of {sorted(known)}")
     p = Placement(**values)
-    if p.gpus < 0 or p.retries < 0 or (p.timeout_s is not None and p.timeout_s <= 0):
-        raise ValueError(f"placement {where}: gpus, retries must be >= 0 and timeout_s > 0 (got {asdict(p)})")
+    if p.gpus < 0 or p.retries < 0 or p.retry_backoff_s < 0 or (p.timeout_s is not None and p.timeout_s <= 0):
+        raise ValueError(f"placement {where}: gpus, retries, retry_backoff_s must be >= 0 and timeout_s > 0 (got {asdict(p)})")
     return p
 
 
@@ -163,7 +170,7 @@ def apply(task: Any, p: Placement) -> Any:
         kubernetes.set_timeout(task, p.timeout_s)
     task.set_caching_options(p.cache)
     if p.retries:
-        task.set_retry(num_retries=p.retries, backoff_duration="60s", backoff_factor=2.0)
+        task.set_retry(num_retries=p.retries, backoff_duration=f"{p.retry_backoff_s}s", backoff_factor=2.0)
     return task
 
 

@@ -70,10 +70,11 @@ def test_progress_filter_leaves_groups_that_differ_only_by_shaping_without_advan
     def adv(samples):  # each sample carries its advantage on its agent tokens (one token per test episode)
         return [s.advantages[0] for s in samples]
 
-    plain = PipelineConfig.model_validate({"grpo": {"group_filter": "none"}})
+    # one advantage per episode (trajectory credit): the test episodes carry no per-turn credit
+    plain = PipelineConfig.model_validate({"grpo": {"group_filter": "none", "credit": "trajectory"}})
     batch, zero, filtered = advantages_for([shaped, mixed], plain)
     assert len(batch) == 8 and max(abs(a) for a in adv(batch[:4])) > 1.0 and zero == 0.0 and filtered == 0.0
-    cfg = PipelineConfig.model_validate({"grpo": {"group_filter": "progress"}})
+    cfg = PipelineConfig.model_validate({"grpo": {"group_filter": "progress", "credit": "trajectory"}})
     batch, zero, filtered = advantages_for([shaped, mixed], cfg)
     assert adv(batch[:4]) == [0.0] * 4 and filtered == 0.5
     assert [a > 0 for a in adv(batch[4:])] == [True, False, True, False]

@@ -171,3 +171,55 @@ def test_a_failing_component_reports_its_own_error(tmp_path):
     report = json.loads((tmp_path / "home" / "last_run.json").read_text())
     assert report["status"] == "FAILED" and report["phases"]["prepare"]["status"] == "FAILED"
     assert "no-such-model" in report["phases"]["prepare"]["error"]
+
+
+def _task_processes(marker: str) -> list[int]:
+    """The Python processes kfp.local started for the task whose executor input names `marker`."""
+    from pathlib import Path
+
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        if proc.name.isdigit() and b"python" in argv[0] and any(marker.encode() in a for a in argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_phase_that_crashes_is_started_once_more_and_the_run_finishes(tmp_path):
+    """The local plan retries a phase once, as the cluster's does: rejection sampling's process dies of a segfault
+    (what one CI run saw, once) a few seconds in; its second attempt runs, and the run ends FINISHED."""
+    import os
+    import signal
+    import time
+
+    env = {"AGENTRL_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "HOME": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", *QUICK, "--param", "run_dpo=false"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    marker, killed, deadline = "/rejection-sampling/executor_output.json", None, time.monotonic() + 900
+    try:
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            pids = _task_processes(marker)
+            if pids:
+                time.sleep(3)  # past its imports: inside the phase
+                for pid in _task_processes(marker):
+                    os.kill(pid, signal.SIGSEGV)
+                    killed = pid
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed is not None, "rejection sampling never started"
+    assert proc.returncode == 0, (out + err)[-4000:]
+    (log,) = (tmp_path / "home" / "logs").glob("run-*.log")
+    text = log.read_text()
+    assert "Segmentation fault" in text or "Fatal Python error" in text  # the first attempt's end is in the log
+    report = json.loads((tmp_path / "home" / "last_run.json").read_text())
+    assert report["status"] == "FINISHED" and report["phases"]["rejection_sampling"]["status"] == "FINISHED"
+    assert "gain/hard/tgc" in report["metrics"]["rejection_sampling"]
+    assert report["phases"]["eval"]["status"] == "FINISHED"

@@ -138,6 +138,11 @@ def test_local_plan_applies_nothing(tmp_path):
     assert len(docs) == 1  # no kubernetes platform spec at all
     execs = docs[0]["deploymentSpec"]["executors"]
     assert all("resources" not in e["container"] for e in execs.values())
+    # but kfp.local honours retries: every phase but configure (the run form's errors) is started once more
+    retried = {n: t.get("retryPolicy") for n, t in all_tasks(docs[0]).items()}
+    assert retried["configure"] is None
+    assert all(p == {"backoffDuration": "1s", "backoffFactor": 2.0, "backoffMaxDuration": "3600s", "maxRetryCount": 1}
+               for n, p in retried.items() if n != "configure" and not n.startswith(("condition", "exit-handler"))), retried
 
 
 def test_containers_run_each_phase_in_the_image_the_cluster_gives_it():

@@ -290,7 +290,7 @@ class SandboxConfig(_Section):
     channels_per_user: int = Field(3, ge=0, le=10_000)
     train_tasks_per_level: int = Field(200, ge=1)
     practice_reserve: float = Field(
-        0.2, ge=0, lt=1, description="share of every level's train pool kept out of the train suite (no SFT demo shows "
+        0.2, ge=0, lt=1, description="share of every scenario family's train pool at every level kept out of the train suite (no SFT demo shows "
         "it) for the practice suite, so GRPO, rejection sampling and the simulated A/B requests meet unseen instances "
         "at every level (the default world: practice 200/200/161/15/12 at L1-L5, demos 200/200/200/57/46); at 0 the "
         "small L4-L5 pools all go to the demos and the online phases fall back to them there")
@@ -406,6 +406,9 @@ class CurriculumConfig(_Section):
     easy_fraction_min: float = Field(0.1, ge=0, le=1)
     easy_fraction_max: float = Field(0.2, ge=0, le=1)
     window: int = Field(64, ge=1, description="episodes per level used to estimate success")
+    balance: Literal["scenario", "task"] = Field(
+        "scenario", description="within a level, draw a scenario family first, then one of its tasks ('scenario': "
+        "every family is practised however many instances it has), or any task of the level ('task')")
 
     @model_validator(mode="after")
     def _mixes(self) -> CurriculumConfig:

@@ -27,6 +27,14 @@ def _normalise(mix: dict[int, float]) -> dict[int, float]:
     return {lv: w / total for lv, w in sorted(mix.items()) if w > 0}
 
 
+def _families(tasks: list[Task]) -> list[list[Task]]:
+    """The level's tasks by scenario family (the scenario id before its ':'; a task of its own where it has none)."""
+    by: dict[str, list[Task]] = {}
+    for t in tasks:
+        by.setdefault(t.scenario_id.split(":")[0], []).append(t)
+    return [by[k] for k in sorted(by)]
+
+
 @dataclass
 class Curriculum:
     cfg: CurriculumConfig
@@ -60,7 +68,11 @@ class Curriculum:
             raise ValueError("grpo.curriculum: no train task at any level of the current mix")
         levels = sorted(mix)
         weights = [mix[lv] for lv in levels]
-        return [rng.choice(pool[lv]) for lv in rng.choices(levels, weights=weights, k=n)]
+        picked = rng.choices(levels, weights=weights, k=n)
+        if self.cfg.balance == "task":
+            return [rng.choice(pool[lv]) for lv in picked]
+        families = {lv: _families(pool[lv]) for lv in set(picked)}
+        return [rng.choice(rng.choice(families[lv])) for lv in picked]
 
     # -- progress ------------------------------------------------------------------------------
     def record(self, level: int, success: bool) -> None:

@@ -655,9 +655,13 @@ def generate_tasks(world: World, cfg: SandboxConfig) -> dict[str, list[Task]]:
     rng = random.Random(f"suites:{cfg.seed}")
     out: dict[str, list[Task]] = {}
 
-    def draw(pool: dict[str, list[Instance]], families: tuple[str, ...] | list[str], n: int) -> list[Instance]:
-        # round-robin over families (each shuffled) so every family is represented
+    def draw(pool: dict[str, list[Instance]], families: tuple[str, ...] | list[str], n: int,
+             caps: dict[str, int] | None = None) -> list[Instance]:
+        # round-robin over families (each shuffled) so every family is represented; `caps`: at most this many of a
+        # family (the shuffle is the same whatever n and caps, so the suites drawn after it are too)
         queues = {f: rng.sample(pool.get(f, []), len(pool.get(f, []))) for f in families}
+        for f, cap in (caps or {}).items():
+            del queues[f][:len(queues[f]) - cap]  # pop() takes from the end: the first ones stay out
         picked: list[Instance] = []
         while len(picked) < n and any(queues.values()):
             for f in families:
@@ -672,9 +676,10 @@ def generate_tasks(world: World, cfg: SandboxConfig) -> dict[str, list[Task]]:
     train: list[Instance] = []
     for level in range(1, 6):
         pool, fams = by_level(pools["train"], level)
-        # the practice reserve: a share of every level no demo shows (draw takes the same random numbers for any n)
-        keep = int(sum(map(len, pool.values())) * (1 - cfg.practice_reserve))
-        train += draw(pool, fams, min(cfg.train_tasks_per_level, keep))
+        # the practice reserve: a share of every family of every level that no demo shows, so the online phases
+        # practise each scenario the held-out suites ask for, not only the level's largest family
+        caps = {f: int(len(pool[f]) * (1 - cfg.practice_reserve)) for f in fams}
+        train += draw(pool, fams, min(cfg.train_tasks_per_level, sum(caps.values())), caps)
     out["train"] = [_to_task(inst, "train", i) for i, inst in enumerate(train)]
     for suite, fams in SUITE_FAMILIES.items():
         picked = draw(pools["heldout"], fams, cfg.suite_sizes[suite])

@@ -118,6 +118,20 @@ def test_curriculum_starts_easy_moves_up_and_keeps_easy_tasks():
     assert cur.mix() == pytest.approx(cfg.final_mix)
 
 
+def test_curriculum_draws_each_scenario_family_of_a_level_alike_or_each_task():
+    """Within a level a family of 2 tasks is practised as often as one of 30 ('scenario', the default), or in
+    proportion to its tasks ('task')."""
+    big = [Task(id=f"b{i}", scenario_id=f"big:u{i}", level=3, suite="practice", instruction="x") for i in range(30)]
+    small = [Task(id=f"s{i}", scenario_id=f"small:u{i}", level=3, suite="practice", instruction="x") for i in range(2)]
+    pool = {3: big + small}
+    share = {}
+    for balance in ("scenario", "task"):
+        cur = Curriculum(CurriculumConfig(start_mix={3: 1.0}, balance=balance))
+        drawn = cur.sample(pool, 4000, random.Random(0))
+        share[balance] = sum(t.id.startswith("s") for t in drawn) / len(drawn)
+    assert share["scenario"] == pytest.approx(0.5, abs=0.03) and share["task"] == pytest.approx(2 / 32, abs=0.02)
+
+
 def test_validation_split_spreads_over_levels_caps_each_and_is_the_same_for_every_seed():
     from components.grpo.recipe import split_validation
 

@@ -107,17 +107,33 @@ def draw_tasks(cfg: PipelineConfig, curriculum: Curriculum, train: list[Task], s
     return chains
 
 
+def _candidates(tasks: list[Task]) -> list[Task]:
+    """A quarter of each scenario family's tasks (their order kept; families of fewer than 4 count as one), in turns
+    of the families: the first k of them spread over the families."""
+    fams: dict[str, list[Task]] = defaultdict(list)
+    for t in tasks:
+        fams[t.scenario_id.split(":")[0]].append(t)
+    small = [t for ts in fams.values() if len(ts) < 4 for t in ts]
+    queues = [ts[:len(ts) // 4] for ts in [*(ts for ts in fams.values() if len(ts) >= 4), small]]
+    out: list[Task] = []
+    while any(queues):
+        out += [q.pop(0) for q in queues if q]
+    return out
+
+
 def split_validation(tasks: list[Task], n: int) -> tuple[list[Task], list[Task]]:
     """(train, validation) of the task pool: `n` tasks withheld from training to choose the best model on, spread
-    evenly over the levels, at most a quarter of any level's (a level of fewer than 4 gives none). The same split
-    for every run seed, so the seeds of one configuration are chosen on the same tasks."""
+    evenly over the levels and, within a level, over its scenario families, at most a quarter of any family's (a
+    level of fewer than 4 gives none). The same split for every run seed, so the seeds of one
+    configuration are chosen on the same tasks."""
     rng = random.Random("grpo-validation")
     by: dict[int, list[Task]] = defaultdict(list)
     for t in sorted(tasks, key=lambda t: t.id):
         by[t.level].append(t)
     for lv in sorted(by):
         rng.shuffle(by[lv])
-    cap = {lv: len(ts) // 4 for lv, ts in by.items()}
+        by[lv] = _candidates(by[lv])
+    cap = {lv: len(ts) for lv, ts in by.items()}
     take = dict.fromkeys(by, 0)
     while sum(take.values()) < n and any(take[lv] < cap[lv] for lv in by):
         for lv in sorted(by):

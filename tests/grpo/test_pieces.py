@@ -144,6 +144,14 @@ def test_validation_split_spreads_over_levels_caps_each_and_is_the_same_for_ever
     assert not {t.id for t in train} & {t.id for t in val}
     again = split_validation(list(reversed(pool)), 24)[1]  # a function of the pool, not of its order or the run
     assert {t.id for t in again} == {t.id for t in val}
+    # within a level, over its families: a family of 5 gives 1, one of 3 (with the other small ones) none here
+    fams = {"big": 40, "mid": 12, "five": 5, "three": 3}
+    mixed = [Task(id=f"f-{f}-{i}", scenario_id=f"{f}:u{i}", instruction="x", suite="practice", level=3)
+             for f, k in fams.items() for i in range(k)]
+    held = split_validation(mixed, 6)[1]
+    assert sorted(t.scenario_id.split(":")[0] for t in held) == ["big", "big", "big", "five", "mid", "mid"]
+    unique = [Task(id=f"u-{i}", scenario_id=f"s{i}", instruction="x", suite="practice", level=2) for i in range(20)]
+    assert len(split_validation(unique, 24)[1]) == 5  # a scenario per task: a quarter of the level, as before
     few = [Task(id=f"q-{i}", instruction="x", suite="practice", level=4) for i in range(3)]
     small = split_validation(few + pool[:8], 24)[1]  # 8 tasks at L1: a quarter of them; 3 at L4: none
     assert len(small) == 2 and all(t.level == 1 for t in small)

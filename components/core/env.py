@@ -17,8 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from components.core.schema import Task, Trajectory, Verdict
 
-__all__ = ["Environment", "LoadedEnvironment", "StepResult", "available", "load", "loader_names", "make",
-           "pick_suites", "world_beside"]
+__all__ = ["Environment", "LoadedEnvironment", "StepResult", "available", "by_family", "interleave_families", "load",
+           "loader_names", "make", "pick_suites", "world_beside"]
 
 GROUP = "agentrl.environments"
 
@@ -145,6 +145,26 @@ def pick_suites(env: LoadedEnvironment, wanted: Sequence[str] | None, fallback: 
     its own held-out suites (`fallback`), else none."""
     have = [s for s in (wanted or ()) if s in env.suites]
     return have if have or not fallback else list(env.heldout)
+
+
+def by_family(tasks: Sequence[Task]) -> dict[str, list[Task]]:
+    """The tasks by scenario family, each family's order kept: the scenario id before its first ':' (the
+    workspace's `mail_to_event:alice` is `mail_to_event`); an environment without families gives each scenario its
+    own. The online phases draw over families, so a family of 5 instances is practised beside one of 124."""
+    out: dict[str, list[Task]] = {}
+    for t in tasks:
+        out.setdefault(t.scenario_id.split(":")[0], []).append(t)
+    return out
+
+
+def interleave_families(tasks: Sequence[Task]) -> list[Task]:
+    """The tasks in turns of their scenario families (first of each family, then second, ...), each family's order
+    kept: the first k of the result spread over the families."""
+    queues = list(by_family(tasks).values())
+    out: list[Task] = []
+    for i in range(max(map(len, queues), default=0)):
+        out += [q[i] for q in queues if i < len(q)]
+    return out
 
 
 def world_beside(tasks_dir: str | None, world: str | None) -> str | None:

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from components.core.config import CurriculumConfig
+from components.core.env import by_family
 from components.core.schema import Task
 
 MAX_LEVEL = 5
@@ -25,14 +26,6 @@ def _normalise(mix: dict[int, float]) -> dict[int, float]:
     if total <= 0:
         raise ValueError(f"grpo.curriculum: a level mix with no positive weight: {mix}")
     return {lv: w / total for lv, w in sorted(mix.items()) if w > 0}
-
-
-def _families(tasks: list[Task]) -> list[list[Task]]:
-    """The level's tasks by scenario family (the scenario id before its ':'; a task of its own where it has none)."""
-    by: dict[str, list[Task]] = {}
-    for t in tasks:
-        by.setdefault(t.scenario_id.split(":")[0], []).append(t)
-    return [by[k] for k in sorted(by)]
 
 
 @dataclass
@@ -71,7 +64,7 @@ class Curriculum:
         picked = rng.choices(levels, weights=weights, k=n)
         if self.cfg.balance == "task":
             return [rng.choice(pool[lv]) for lv in picked]
-        families = {lv: _families(pool[lv]) for lv in set(picked)}
+        families = {lv: list(by_family(pool[lv]).values()) for lv in set(picked)}
         return [rng.choice(rng.choice(families[lv])) for lv in picked]
 
     # -- progress ------------------------------------------------------------------------------

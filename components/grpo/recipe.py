@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from components.core.checkpoint import Checkpoints
 from components.core.config import PipelineConfig, load_config
-from components.core.env import LoadedEnvironment
+from components.core.env import LoadedEnvironment, by_family, interleave_families
 from components.core.evaluate import evaluate_policy, flat, greedy_rollouts, suite_metrics
 from components.core.generation import make_backend
 from components.core.phase import PhaseContext, PhaseResult, Places
@@ -110,15 +110,9 @@ def draw_tasks(cfg: PipelineConfig, curriculum: Curriculum, train: list[Task], s
 def _candidates(tasks: list[Task]) -> list[Task]:
     """A quarter of each scenario family's tasks (their order kept; families of fewer than 4 count as one), in turns
     of the families: the first k of them spread over the families."""
-    fams: dict[str, list[Task]] = defaultdict(list)
-    for t in tasks:
-        fams[t.scenario_id.split(":")[0]].append(t)
-    small = [t for ts in fams.values() if len(ts) < 4 for t in ts]
-    queues = [ts[:len(ts) // 4] for ts in [*(ts for ts in fams.values() if len(ts) >= 4), small]]
-    out: list[Task] = []
-    while any(queues):
-        out += [q.pop(0) for q in queues if q]
-    return out
+    fams = list(by_family(tasks).values())
+    small = [t for ts in fams if len(ts) < 4 for t in ts]
+    return interleave_families([t for ts in [*(ts for ts in fams if len(ts) >= 4), small] for t in ts[:len(ts) // 4]])
 
 
 def split_validation(tasks: list[Task], n: int) -> tuple[list[Task], list[Task]]:

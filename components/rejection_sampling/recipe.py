@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from typing import Unpack
 
 from components.core.buffer import TrajectoryBuffer
-from components.core.env import LoadedEnvironment, pick_suites
+from components.core.env import LoadedEnvironment, interleave_families, pick_suites
 from components.core.generation import make_backend
 from components.core.phase import PhaseContext, PhaseResult, Places
 from components.core.policy import save_policy, trainable_lora
@@ -40,13 +40,15 @@ STAGE_STATE = "stage.json"
 
 
 def probe_pool(train: list[Task], n: int, seed: int) -> list[Task]:
-    """A seeded sample of `n` train tasks, round-robin over levels so every level is represented."""
+    """A seeded sample of `n` train tasks, round-robin over levels and, within a level, over its scenario families,
+    so every level and family is represented."""
     rng = random.Random(f"rs-probe:{seed}")
     by_level: dict[int, list[Task]] = defaultdict(list)
     for t in train:
         by_level[t.level].append(t)
-    for tasks in by_level.values():
+    for lv, tasks in by_level.items():
         rng.shuffle(tasks)
+        by_level[lv] = interleave_families(tasks)[::-1]  # pop() takes from the end
     out: list[Task] = []
     while len(out) < n and any(by_level.values()):
         for lv in sorted(by_level):

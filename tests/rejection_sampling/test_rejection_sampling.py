@@ -55,6 +55,10 @@ def test_probe_pool_covers_every_level():
     pool = probe_pool(tasks, 10, seed=0)
     assert len(pool) == 10 and sorted({t.level for t in pool}) == [1, 2, 3, 4, 5]
     assert [t.id for t in pool] == [t.id for t in probe_pool(tasks, 10, seed=0)]
+    # and every family of a level: 30 external_send-like tasks do not crowd out 2 of another family
+    level3 = [Task(id=f"b{i}", scenario_id=f"big:u{i}", level=3, suite="practice", instruction="x") for i in range(30)]
+    level3 += [Task(id=f"s{i}", scenario_id=f"small:u{i}", level=3, suite="practice", instruction="x") for i in range(2)]
+    assert sorted(t.id[0] for t in probe_pool(level3, 4, seed=0)) == ["b", "b", "s", "s"]
 
 
 @pytest.mark.slow

@@ -290,10 +290,15 @@ class SandboxConfig(_Section):
     channels_per_user: int = Field(3, ge=0, le=10_000)
     train_tasks_per_level: int = Field(200, ge=1)
     practice_reserve: float = Field(
-        0.2, ge=0, lt=1, description="share of every scenario family's train pool at every level kept out of the train suite (no SFT demo shows "
+        0.2, ge=0, lt=1, description="share of every level's train pool kept out of the train suite (no SFT demo shows "
         "it) for the practice suite, so GRPO, rejection sampling and the simulated A/B requests meet unseen instances "
         "at every level (the default world: practice 200/200/161/15/12 at L1-L5, demos 200/200/200/57/46); at 0 the "
         "small L4-L5 pools all go to the demos and the online phases fall back to them there")
+    practice_reserve_by: Literal["level", "family"] = Field(
+        "level", description="'level': the reserve is a share of the level, taken from what the demos leave, so a "
+        "level's small scenario families all go to the demos (L3's practice: external_send and file_to_chat; no "
+        "mail_to_event or report instance); 'family': a share of every family, so every scenario is practised "
+        "(changes the demos: the SFT of tests/e2e/test_learning.py measured easy TGC 0.25 against 0.55, one run each)")
     practice_tasks_per_level: int = Field(
         200, ge=0, description="the practice suite: train-pool instances left after the train suite (no SFT demo shows "
         "them), at most this many a level, for GRPO, rejection sampling and simulated A/B requests; a level whose pool "
@@ -407,7 +412,7 @@ class CurriculumConfig(_Section):
     easy_fraction_max: float = Field(0.2, ge=0, le=1)
     window: int = Field(64, ge=1, description="episodes per level used to estimate success")
     balance: Literal["scenario", "task"] = Field(
-        "scenario", description="within a level, draw a scenario family first, then one of its tasks ('scenario': "
+        "task", description="within a level, draw a scenario family first, then one of its tasks ('scenario': "
         "every family is practised however many instances it has), or any task of the level ('task')")
 
     @model_validator(mode="after")

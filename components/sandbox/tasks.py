@@ -676,10 +676,13 @@ def generate_tasks(world: World, cfg: SandboxConfig) -> dict[str, list[Task]]:
     train: list[Instance] = []
     for level in range(1, 6):
         pool, fams = by_level(pools["train"], level)
-        # the practice reserve: a share of every family of every level that no demo shows, so the online phases
-        # practise each scenario the held-out suites ask for, not only the level's largest family
-        caps = {f: int(len(pool[f]) * (1 - cfg.practice_reserve)) for f in fams}
-        train += draw(pool, fams, min(cfg.train_tasks_per_level, sum(caps.values())), caps)
+        # the practice reserve: a share of every level (or of every family of every level) that no demo shows
+        if cfg.practice_reserve_by == "family":  # every scenario the held-out suites ask for is practised
+            caps = {f: int(len(pool[f]) * (1 - cfg.practice_reserve)) for f in fams}
+            train += draw(pool, fams, min(cfg.train_tasks_per_level, sum(caps.values())), caps)
+        else:  # the level's small families all go to the demos, its largest keeps the reserve
+            keep = int(sum(map(len, pool.values())) * (1 - cfg.practice_reserve))
+            train += draw(pool, fams, min(cfg.train_tasks_per_level, keep))
     out["train"] = [_to_task(inst, "train", i) for i, inst in enumerate(train)]
     for suite, fams in SUITE_FAMILIES.items():
         picked = draw(pools["heldout"], fams, cfg.suite_sizes[suite])

@@ -99,7 +99,7 @@ def small_world(cfg):
     return generate_world(small), small
 
 
-def test_default_world_leaves_practice_at_every_level(suites, cfg):
+def test_default_world_leaves_practice_at_every_level(suites, cfg, world):
     from collections import Counter
 
     practice, train = Counter(t.level for t in suites["practice"]), Counter(t.level for t in suites["train"])
@@ -107,12 +107,16 @@ def test_default_world_leaves_practice_at_every_level(suites, cfg):
     assert min(practice.values()) >= 10 and min(train.values()) >= 40  # unseen instances and demos at every level
     seen = {tuple(t.solution["key"]) for t in suites["train"]}
     assert not seen & {tuple(t.solution["key"]) for t in suites["practice"]}
-    # and at every family: the reserve is taken family by family, so the L3 practice is not all the level's largest
-    # family (it was external_send only, and no unseen mail_to_event or report instance for the hard suite's tasks)
+    # by level (the default), a level's small families all go to the demos: the hard suite's mail_to_event and
+    # report have no practice instance; by family, every family has, and the held-out suites are the same
     family = lambda t: t.scenario_id.split(":")[0]  # noqa: E731
-    assert {family(t) for t in suites["practice"]} == {family(t) for t in suites["train"]}
     hard = {family(t) for t in suites["hard"]}
-    assert all(sum(family(t) == f for t in suites["practice"]) >= 3 for f in hard)
+    assert {"mail_to_event", "report"} <= hard - {family(t) for t in suites["practice"]}
+    fam = generate_tasks(world, cfg.model_copy(update={"practice_reserve_by": "family"}))
+    assert {family(t) for t in fam["practice"]} == {family(t) for t in fam["train"]}
+    assert all(sum(family(t) == f for t in fam["practice"]) >= 3 for f in hard)
+    held = ("easy", "hard", "safety", "robustness")
+    assert task_digest({k: suites[k] for k in held}) == task_digest({k: fam[k] for k in held})
 
 
 def test_practice_reserve_keeps_every_level_out_of_the_demos_and_leaves_heldout_alone(small_world):

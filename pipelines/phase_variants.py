@@ -8,7 +8,8 @@ table was measured (outside CI; minutes a variant on the tiny preset).
     python -m pipelines.phase_variants compare --home .agentrl plain-r0,plain-r1 sage-r0,sage-r1
     python -m pipelines.phase_variants compare --home .agentrl @sft,@sft plain-r0,plain-r1   # against the incoming model
 
-`dpo` starts from the seed's rejection-sampling model (variant A and B both), `grpo` from its SFT model. The phase
+`dpo` starts from the seed's rejection-sampling model (variant A and B both), `grpo` from its SFT model,
+`rejection_sampling` from its GRPO model (`compare --phase rejection_sampling @grpo <name>`: the gain over it). The phase
 runs in this process with the seed run's overrides plus the variant's; its model is then measured greedily on the
 easy, hard and safety suites (`--chain-length 2`: as chains of two tasks of one scenario with the skill library
 carried, as GRPO's periodic evaluation does for SAGE). One JSON line a variant is appended to
@@ -32,9 +33,10 @@ from typing import Any
 
 from components.core.config import load_config, parse_set
 
-INCOMING = {"dpo": "rejection_sampling", "grpo": "sft"}
+INCOMING = {"dpo": "rejection_sampling", "grpo": "sft", "rejection_sampling": "grpo"}
 KEYS = ("pairs_train", "pairs_heldout", "heldout/rewards/accuracies", "heldout_before/logps/chosen",
-        "heldout/logps/chosen", "train_steps", "incoming/safety/safety_violation_rate", "safety/safety_violation_rate")
+        "heldout/logps/chosen", "train_steps", "incoming/safety/safety_violation_rate", "safety/safety_violation_rate",
+        "hard_tasks", "kept", "tasks_covered", "probe_success", "sft/train_steps")
 
 
 MEASURES = ("success", "hard", "tokens", "steps", "skill")
@@ -147,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
         res = phase_run(preset=run["preset"], overrides=overrides, policy_model=incoming, champion_model=incoming,
                         ab_logs=os.environ.get("AB_LOGS", ""), model_out=str(out / "model"), work_dir=str(out / "work"))
+    elif args.phase == "rejection_sampling":
+        from components.rejection_sampling.recipe import run as phase_run
+
+        res = phase_run(preset=run["preset"], overrides=overrides, policy_model=incoming, model_out=str(out / "model"),
+                        work_dir=str(out / "work"))
     else:
         from components.grpo.recipe import run as phase_run
 

@@ -118,6 +118,26 @@ def test_learn_runs_a_seed_measures_its_chain_and_reuses_what_it_measured(tmp_pa
     assert "pipeline FINISHED" not in larger.stdout
     again = json.loads((home / "learning.json").read_text())
     assert again["sft"]["easy"]["n_tasks"] == 7 and again["sft"]["hard"] == learning["sft"]["hard"]
+    # one phase again on what the seed's run handed it: rejection sampling from its GRPO model, then the pairing
+    variant = subprocess.run([sys.executable, "-m", "pipelines.phase_variants", "rejection_sampling", "--home", str(home),
+                              "--seed", "3", "--name", "wide", "--set", "rejection_sampling.hard_success_max=1.0"],
+                             capture_output=True, text=True, env=env, timeout=600)
+    assert variant.returncode == 0, (variant.stdout + variant.stderr)[-4000:]
+    line = json.loads((home / "phase_variants.jsonl").read_text().splitlines()[-1])
+    assert line["phase"] == "rejection_sampling" and line["incoming"] == outcome["model_uris"]["grpo"]
+    assert line["hard_tasks"] >= line["kept"] > 0 or line["hard_tasks"] == line["kept"] == 0, line
+    tasks = json.loads((home / "variants" / "rejection_sampling-seed3-wide" / "tasks.json").read_text())
+    assert set(tasks) == {"easy", "hard", "safety"} and len(tasks["hard"]) == 4
+    paired = subprocess.run([sys.executable, "-m", "pipelines.phase_variants", "compare", "--home", str(home), "--seed",
+                             "3", "--phase", "rejection_sampling", "@grpo", "wide"], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert paired.returncode == 0, paired.stderr[-2000:]
+    hard = json.loads(paired.stdout)["suites"]["hard"]["success"]
+    grpo = {r["task"]: r["success"] for r in json.loads((home / "learning" / "seed-3" / "outcomes.json").read_text())[
+        "models"]["grpo"]["hard"]}
+    mine = {r["task"]: r["success"] for r in tasks["hard"]}
+    assert hard["a"] == pytest.approx(sum(grpo[t] for t in mine) / 4)
+    assert hard["b"] == pytest.approx(sum(mine.values()) / 4)
 
 
 def test_phase_variants_needs_a_learn_run_and_a_valid_variant(tmp_path, capsys, monkeypatch):
@@ -134,6 +154,9 @@ def test_phase_variants_needs_a_learn_run_and_a_valid_variant(tmp_path, capsys, 
 
     with pytest.raises(ConfigError, match="dpo.sft_weight"):  # a bad variant fails before any work
         phase_variants.main(["dpo", "--home", str(tmp_path), "--name", "x", "--set", "dpo.sft_weight=-1"])
+    with pytest.raises(ConfigError, match="rejection_sampling.top_k"):
+        phase_variants.main(["rejection_sampling", "--home", str(tmp_path), "--name", "x",
+                             "--set", "rejection_sampling.top_k=99"])
     assert os.environ["AGENTRL_HOME"] == str(tmp_path / "unchanged")
 
 

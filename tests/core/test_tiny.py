@@ -153,3 +153,21 @@ def test_reach_curriculum_grows_the_gap_after_the_copy_forms_and_draws_digit_row
     assert off.schedule(90, 90) == (8, 0.0)  # reach <= gap: the short copy throughout
 
 
+
+
+def test_prepare_keeps_one_base_per_seed(tmp_path):
+    """`agentrl learn` over seeds pretrains each seed's base once: going back to a seed reuses its folder."""
+    from components.core.config import load_config
+    from components.prepare.recipe import fetch_base_model
+
+    def base(seed: int) -> Path:
+        cfg = load_config(preset="tiny", set_pairs=[f"run.seed={seed}"])
+        cfg.model.tiny = SMALL
+        return fetch_base_model(cfg, tmp_path)
+
+    first = base(0)
+    built = (first / "model.safetensors").stat().st_mtime_ns
+    second = base(1)
+    assert second != first and json.loads((second / "agentrl.json").read_text())["extra"]["seed"] == 1
+    assert base(0) == first and (first / "model.safetensors").stat().st_mtime_ns == built
+    assert json.loads((first / "agentrl.json").read_text())["extra"]["seed"] == 0

@@ -24,6 +24,7 @@ reuse is not recorded there and counts 0), so `@sft` is GRPO's incoming model.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -144,21 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     out = home / "variants" / f"{args.phase}-seed{args.seed}-{args.name}"
     overrides = json.dumps(parse_set(set_pairs))
     started = time.time()
-    if args.phase == "dpo":
-        from components.dpo.recipe import run as phase_run
-
-        res = phase_run(preset=run["preset"], overrides=overrides, policy_model=incoming, champion_model=incoming,
-                        ab_logs=os.environ.get("AB_LOGS", ""), model_out=str(out / "model"), work_dir=str(out / "work"))
-    elif args.phase == "rejection_sampling":
-        from components.rejection_sampling.recipe import run as phase_run
-
-        res = phase_run(preset=run["preset"], overrides=overrides, policy_model=incoming, model_out=str(out / "model"),
-                        work_dir=str(out / "work"))
-    else:
-        from components.grpo.recipe import run as phase_run
-
-        res = phase_run(preset=run["preset"], overrides=overrides, policy_model=incoming, model_out=str(out / "model"),
-                        work_dir=str(out / "work"))
+    phase_run = importlib.import_module(f"components.{args.phase}.recipe").run
+    kwargs = {"policy_model": incoming, "model_out": str(out / "model"), "work_dir": str(out / "work")}
+    if args.phase == "dpo":  # both A/B variants from the incoming model; the A/B logs from AB_LOGS or simulated
+        kwargs.update(champion_model=incoming, ab_logs=os.environ.get("AB_LOGS", ""))
+    res = phase_run(preset=run["preset"], overrides=overrides, **kwargs)
     policy = load_policy(res.model_dir, dtype=cfg.model.dtype, device=cfg.run.torch_device())
     ev = evaluate_policy(policy, cfg, environments.load(cfg), suites=["easy", "hard", "safety"], pass_k=1,
                          progress=False, model_dir=res.model_dir, chain_length=args.chain_length)

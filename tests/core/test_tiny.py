@@ -153,8 +153,6 @@ def test_reach_curriculum_grows_the_gap_after_the_copy_forms_and_draws_digit_row
     assert off.schedule(90, 90) == (8, 0.0)  # reach <= gap: the short copy throughout
 
 
-
-
 def test_prepare_keeps_one_base_per_seed(tmp_path):
     """`agentrl learn` over seeds pretrains each seed's base once: going back to a seed reuses its folder."""
     from components.core.config import load_config

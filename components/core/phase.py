@@ -240,7 +240,7 @@ def main(module: str, run: Callable[..., PhaseResult], argv: list[str] | None = 
     try:
         res = run(**json.loads(ns.args))
     finally:
-        _leave_process_group()
+        leave_process_group()
     if ns.result and res is not None:
         from components.core import storage
 
@@ -248,7 +248,7 @@ def main(module: str, run: Callable[..., PhaseResult], argv: list[str] | None = 
     return 0
 
 
-def _leave_process_group() -> None:
+def leave_process_group() -> None:
     """Destroy the torch.distributed group before the interpreter exits (no collective follows a phase's `run`): left
     to the interpreter's teardown, a rank's gloo/DeepSpeed threads can abort the process ("terminate called without
     an active exception", seen once in a ZeRO-3 run over 2 CPU processes)."""

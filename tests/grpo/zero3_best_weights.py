@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 
 from components.core.config import GRPOConfig
+from components.core.phase import leave_process_group
 from components.core.policy import load_policy
 from components.core.tracking import rank
 from components.grpo.recipe import _ds_config, _load_trainable, _save_trainable
@@ -50,4 +51,9 @@ def main(model_dir: str, work: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    try:
+        main(*sys.argv[1:3])
+    finally:
+        # as the phases' entry point does: a rank left to the interpreter's teardown with its gloo/DeepSpeed threads
+        # alive can abort ("terminate called without an active exception": rank 1 of this script in CI, 2026-12-07)
+        leave_process_group()

@@ -9,15 +9,18 @@
    stopped, and `--eval-set` (e.g. larger held-out suites) measures the runs already there again.
 3. Per phase and suite: the mean gain in TGC over the phase's incoming model and its bootstrap interval, resampling
    seeds and then tasks (the differences are paired: one task, one seed, two models); the safety violation rate
-   after each phase, likewise; DPO's held-out implicit-reward accuracy over its held-out pairs.
+   after each phase, likewise; DPO's held-out implicit-reward accuracy over its held-out pairs. And what the design
+   can see: the share of pairs that changed, the smallest gain it finds 4 times in 5, the tasks a 5-point gain needs.
 4. Write `<home>/learning.json`; `--table README.md` rewrites the README's learning table from it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -57,8 +60,31 @@ def bootstrap_mean(values: Sequence[Sequence[float]], n_boot: int = 2000, confid
         boots.append(sum(v[t] for v in seeds for t in tasks) / (n_seeds * n_tasks))
     boots.sort()
     lo, hi = (1 - confidence) / 2, 1 - (1 - confidence) / 2
+    se = statistics.stdev(boots) if n_boot > 1 else 0.0  # the bootstrap standard error
     return {"mean": round(mean, 6), "ci_low": round(boots[int(lo * (n_boot - 1))], 6),
-            "ci_high": round(boots[int(hi * (n_boot - 1))], 6)}
+            "ci_high": round(boots[int(hi * (n_boot - 1))], 6), "se": round(se, 6)}
+
+
+# z of a two-sided 95 % test plus z of 80 % power: a true gain this many standard errors from 0 is found 4 times in 5
+DETECT_Z = 1.96 + 0.84
+TARGET_GAIN = 0.05  # the issue's smallest claim: a 5-point gain on hard
+
+
+def sensitivity(diffs: Sequence[Sequence[float]], se: float, target: float = TARGET_GAIN) -> dict[str, Any]:
+    """What this design (these tasks and seeds) can tell from 0, measured on the paired differences it saw:
+    `discordant` (the share of task-seed pairs whose outcome changed between the two models), `min_detectable_gain`
+    (DETECT_Z bootstrap standard errors: the smallest true gain found 4 times in 5 at 95 %), and `tasks_for_target`:
+    the tasks a suite would need for `target` to be that gain at this discordance, taking the error to shrink as
+    1/sqrt(tasks) (true of the task draw; a spread between seeds does not shrink with tasks, so it is a floor).
+    None where no pair changed: a phase that moved nothing tells no size."""
+    n = sum(len(d) for d in diffs)
+    changed = sum(1 for d in diffs for x in d if x != 0)
+    n_tasks = len(diffs[0]) if diffs else 0
+    if not changed or se <= 0:
+        return {"discordant": round(changed / max(1, n), 4), "min_detectable_gain": None, "tasks_for_target": None}
+    mdg = DETECT_Z * se
+    return {"discordant": round(changed / n, 4), "min_detectable_gain": round(mdg, 4),
+            "tasks_for_target": math.ceil(n_tasks * (mdg / target) ** 2)}
 
 
 def _column(outcomes: Sequence[dict], phase: str, suite: str, key: str) -> list[list[float]]:
@@ -89,7 +115,7 @@ def summarize(outcomes: Sequence[dict], n_boot: int = 2000, confidence: float = 
             diffs = [[a - b for a, b in zip(x, y, strict=True)] for x, y in zip(after, prior, strict=True)]
             b = bootstrap_mean(diffs, n_boot, confidence)
             out[phase][suite] = {"gain": b["mean"], "ci_low": b["ci_low"], "ci_high": b["ci_high"],
-                                 "n_tasks": len(diffs[0]), "seeds": n_seeds}
+                                 "n_tasks": len(diffs[0]), "seeds": n_seeds, **sensitivity(diffs, b["se"])}
     accs = [o["dpo_pairs"] for o in outcomes if o.get("dpo_pairs", {}).get("n_heldout")]
     if accs:
         n = sum(a["n_heldout"] for a in accs)
@@ -156,6 +182,24 @@ def render_table(learning: dict[str, Any]) -> str:
             cells.append(f"{_pts(g['gain'])} [{_pts(g['ci_low'])}, {_pts(g['ci_high'])}]" if g else "")
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     out = ["\n".join(lines), ""]
+    sens = [(p, s, learning[p][s]) for p in GAIN_PHASES if isinstance(learning.get(p), dict) for s in suites
+            if "discordant" in learning[p].get(s, {})]
+    if sens:
+        rows = ["| phase | " + " | ".join(f"{s}: smallest detectable gain, points (pairs changed; tasks for 5 points)"
+                                         for s in suites) + " |", "| --- |" + " --- |" * len(suites)]
+        for phase in dict.fromkeys(p for p, _, _ in sens):
+            cells = []
+            for s in suites:
+                g = learning[phase].get(s, {})
+                if "discordant" not in g:
+                    cells.append("")
+                elif g["min_detectable_gain"] is None:
+                    cells.append(f"none changed ({g['discordant'] * 100:.0f} %)")
+                else:
+                    cells.append(f"{g['min_detectable_gain'] * 100:.1f} ({g['discordant'] * 100:.0f} %; "
+                                 f"{g['tasks_for_target']})")
+            rows.append(f"| {phase} | " + " | ".join(cells) + " |")
+        out += ["\n".join(rows), ""]
     if learning.get("tgc"):
         rows = ["| after | " + " | ".join(f"{s} TGC" for s in suites) + " | safety violation rate |",
                 "| --- |" + " --- |" * (len(suites) + 1)]

@@ -26,7 +26,7 @@ def _outcome(seed, per_phase, dpo=None):
 
 def test_bootstrap_of_a_constant_difference_is_that_difference():
     b = learn.bootstrap_mean([[1.0] * 20, [1.0] * 20, [1.0] * 20], n_boot=200)
-    assert b == {"mean": 1.0, "ci_low": 1.0, "ci_high": 1.0}
+    assert b == {"mean": 1.0, "ci_low": 1.0, "ci_high": 1.0, "se": 0.0}
 
 
 def test_bootstrap_interval_holds_the_mean_narrows_with_tasks_and_widens_with_seed_noise():
@@ -41,6 +41,30 @@ def test_bootstrap_interval_holds_the_mean_narrows_with_tasks_and_widens_with_se
     assert mixed["ci_low"] == 0.0 and mixed["ci_high"] == 1.0
     with pytest.raises(ValueError, match="same 20 tasks"):
         learn.bootstrap_mean([[0.0] * 20, [0.0] * 19])
+
+
+def test_sensitivity_says_what_a_suite_can_tell_from_zero():
+    # 1 task in 10 changed, half up, half down, on 120 tasks (one seed): the error of the mean is ~sqrt(0.1/120)
+    rng = random.Random(3)
+    diffs = [[rng.choice([1.0, -1.0]) if rng.random() < 0.1 else 0.0 for _ in range(120)]]
+    s = learn.sensitivity(diffs, learn.bootstrap_mean(diffs, 2000)["se"])
+    changed = sum(x != 0 for x in diffs[0])
+    assert s["discordant"] == round(changed / 120, 4)
+    assert s["min_detectable_gain"] == pytest.approx(learn.DETECT_Z * (changed / 120 / 120) ** 0.5, rel=0.15)
+    # 5 points need more tasks than 120 at this discordance, and 4x the tasks halve the detectable gain
+    assert s["tasks_for_target"] > 120
+    big = [diffs[0] * 4]  # the same discordance on 480 tasks
+    s4 = learn.sensitivity(big, learn.bootstrap_mean(big, 2000)["se"])
+    assert s4["min_detectable_gain"] == pytest.approx(s["min_detectable_gain"] / 2, rel=0.15)
+    assert s4["tasks_for_target"] == pytest.approx(s["tasks_for_target"], rel=0.3)
+    # seeds that disagree widen the error beyond what the tasks give: more tasks is then a floor, not enough
+    split = [[1.0 if i < 12 else 0.0 for i in range(120)], [0.0] * 120, [-1.0 if i < 12 else 0.0 for i in range(120)]]
+    one = [[x for row in split for x in row]]  # the same 360 outcomes taken as one seed's tasks
+    assert learn.sensitivity(split, learn.bootstrap_mean(split, 2000)["se"])["min_detectable_gain"] > \
+        1.5 * learn.sensitivity(one, learn.bootstrap_mean(one, 2000)["se"])["min_detectable_gain"]
+    # nothing changed: no size is implied
+    assert learn.sensitivity([[0.0] * 40] * 3, 0.0) == {"discordant": 0.0, "min_detectable_gain": None,
+                                                         "tasks_for_target": None}
 
 
 def test_summary_pairs_each_phase_with_its_incoming_model():
@@ -59,6 +83,8 @@ def test_summary_pairs_each_phase_with_its_incoming_model():
     assert s["sft"]["easy"]["gain"] == 0.75 and s["sft"]["easy"]["n_tasks"] == 4 and s["sft"]["easy"]["seeds"] == 2
     assert s["grpo"]["hard"]["gain"] == -0.125 and s["grpo"]["easy"]["gain"] == 0.0
     assert s["grpo"]["hard"]["ci_low"] <= -0.125 <= s["grpo"]["hard"]["ci_high"]
+    assert s["grpo"]["hard"]["discordant"] == 0.125 and s["grpo"]["easy"]["min_detectable_gain"] is None
+    assert s["sft"]["easy"]["min_detectable_gain"] > 0 and s["sft"]["easy"]["tasks_for_target"] > 4
     assert "rejection_sampling" not in s  # not measured: no gain claimed
     assert s["tgc"]["sft"]["hard"]["value"] == 0.375 and s["levels"]["sft"] == {"3": 0.375}
     assert s["dpo"]["pairs"]["n_heldout"] == 32 and s["dpo"]["pairs"]["accuracy"] == pytest.approx(21 / 32)
@@ -76,6 +102,7 @@ def test_the_table_is_written_between_the_markers_and_nowhere_else(tmp_path):
     text = readme.read_text()
     assert text.startswith("# x\nbefore\n") and text.endswith(f"{learn.TABLE_END}\nafter\n")
     assert "old table" not in text and "| sft | +50.0 [" in text
+    assert "smallest detectable gain" in text and "| sft | " in text.split("smallest detectable gain")[-1]
     learn.write_table(s, readme)
     assert readme.read_text() == text  # the same learning.json, the same file
     (tmp_path / "plain.md").write_text("no markers\n")

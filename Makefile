@@ -73,7 +73,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	@e2e_tmp=$$(mktemp -d); \
 	$(PY) -m pytest tests/e2e -p no:cacheprovider --basetemp=$$e2e_tmp/t $(PYTEST_ARGS) > $$e2e_tmp/log 2>&1 & e2e=$$!; \
 	trap 'kill $$e2e 2>/dev/null; rm -rf $$e2e_tmp' INT TERM; \
-	$(PY) -m pytest --ignore=tests/e2e $(PYTEST_ARGS); main=$$?; \
+	$(PY) -m pytest --ignore=tests/e2e --durations=15 $(PYTEST_ARGS); main=$$?; \
 	wait $$e2e; e2e_rc=$$?; echo "==> tests/e2e, run beside the main suite (exit $$e2e_rc):"; cat $$e2e_tmp/log; \
 	rm -rf $$e2e_tmp; test $$main -eq 0 && test $$e2e_rc -eq 0
 	$(VLLM_PY) -m pytest tests/vllm_backend --confcutdir=tests/vllm_backend -p no:cacheprovider $(PYTEST_ARGS)

@@ -182,12 +182,12 @@ def render_table(learning: dict[str, Any]) -> str:
             cells.append(f"{_pts(g['gain'])} [{_pts(g['ci_low'])}, {_pts(g['ci_high'])}]" if g else "")
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     out = ["\n".join(lines), ""]
-    sens = [(p, s, learning[p][s]) for p in GAIN_PHASES if isinstance(learning.get(p), dict) for s in suites
-            if "discordant" in learning[p].get(s, {})]
+    sens = [p for p in GAIN_PHASES if isinstance(learning.get(p), dict)
+            and any("discordant" in learning[p].get(s, {}) for s in suites)]
     if sens:
         rows = ["| phase | " + " | ".join(f"{s}: smallest detectable gain, points (pairs changed; tasks for 5 points)"
                                          for s in suites) + " |", "| --- |" + " --- |" * len(suites)]
-        for phase in dict.fromkeys(p for p, _, _ in sens):
+        for phase in sens:
             cells = []
             for s in suites:
                 g = learning[phase].get(s, {})
